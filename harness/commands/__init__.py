@@ -1,0 +1,1 @@
+"""One module per subcommand of `harness` (see harness/cli.py)."""

@@ -1,0 +1,117 @@
+"""Typed records of measured blocks, read back from the append-only samples.jsonl.
+
+The worker appends one JSON object per line, flushed as it is taken:
+  block_start {block, side, attempt, t, host, pid, gpu}         gpu: clocks/temperature/throttle
+  sample      {block, side, attempt, shape, mode, i, ms}
+  peak        {block, side, attempt, shape, mode, bytes}
+  stage       {block, side, attempt, shape, mode, i, stage, ms}  device time of one stage, one call
+  kernels     {block, side, attempt, shape, mode, iters, kernels: {name: [total_ms, launches]}}
+  failure     {block, side, attempt, shape, mode, error}
+  block_end   {block, side, attempt, t, status: ok|failed, error, gpu}
+A block counts only through the attempt that wrote its block_end; lines of an attempt that died
+stay in the file (nothing is deleted) but are never read as data, so a resumed run neither loses
+nor duplicates a block.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RowKey = tuple[str, str]  # (shape name, mode)
+
+
+@dataclass
+class Block:
+    index: int
+    side: str
+    attempt: str
+    status: str = "running"  # ok | failed | running (no block_end: a crashed attempt)
+    error: str | None = None
+    t_start: str | None = None
+    t_end: str | None = None
+    host: str | None = None
+    gpu_before: dict | None = None
+    gpu_after: dict | None = None
+    samples: dict[RowKey, list[float]] = field(default_factory=dict)
+    stage_samples: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    peaks: dict[RowKey, int] = field(default_factory=dict)
+    kernels: dict[RowKey, dict] = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return self.status in ("ok", "failed")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """All whole lines of a JSONL file; a torn last line (a kill mid-write) is skipped."""
+    if not path.exists():
+        return []
+    out = []
+    with path.open() as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # torn tail
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """Append one record and flush it to disk before returning."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        # a kill mid-write can leave a torn line: start ours on a fresh line
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(record, sort_keys=True) + "\n").encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_blocks(samples_path: Path) -> list[Block]:
+    """Every attempt's block, in file order; use `completed_blocks` for data."""
+    attempts: dict[str, Block] = {}
+    for rec in read_jsonl(samples_path):
+        kind = rec["type"]
+        key = rec["attempt"]
+        if kind == "block_start":
+            attempts[key] = Block(index=rec["block"], side=rec["side"], attempt=key, t_start=rec.get("t"),
+                                  host=rec.get("host"), gpu_before=rec.get("gpu"))
+            continue
+        b = attempts.get(key)
+        if b is None:
+            continue
+        row = (rec.get("shape"), rec.get("mode"))
+        if kind == "sample":
+            b.samples.setdefault(row, []).append(float(rec["ms"]))
+        elif kind == "stage":
+            b.stage_samples.setdefault((rec["shape"], rec["mode"], rec["stage"]), []).append(float(rec["ms"]))
+        elif kind == "peak":
+            b.peaks[row] = int(rec["bytes"])
+        elif kind == "kernels":
+            b.kernels[row] = {"iters": rec["iters"], "kernels": rec["kernels"]}
+        elif kind == "failure":
+            b.failures.append({k: rec.get(k) for k in ("shape", "mode", "error")})
+        elif kind == "block_end":
+            b.status = rec["status"]
+            b.error = rec.get("error")
+            b.t_end = rec.get("t")
+            b.gpu_after = rec.get("gpu")
+    return list(attempts.values())
+
+
+def completed_blocks(samples_path: Path) -> list[Block]:
+    """One Block per block index: the attempt that finished it, ordered by index."""
+    done: dict[int, Block] = {}
+    for b in load_blocks(samples_path):
+        if b.complete and b.index not in done:
+            done[b.index] = b
+    return [done[i] for i in sorted(done)]

@@ -1,0 +1,536 @@
+"""The experiment file: schema, loading, and errors that name the file, the YAML path and the line.
+
+An experiment is the one place where shapes, thresholds, stage names and refs are declared;
+every later phase reads them from the `Experiment` record built here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Names reach file paths, git branch names and sbatch scripts: keep them to a safe alphabet.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+Mode = Literal["fwd", "fwdbwd"]
+Side = Literal["baseline", "candidate"]
+SIDES: tuple[Side, Side] = ("baseline", "candidate")
+
+
+class SpecError(Exception):
+    """A bad experiment file; `str()` names the file, the YAML path and the line."""
+
+    def __init__(self, path: Path | str, problems: list[tuple[str, int | None, str]]):
+        self.path = str(path)
+        self.problems = problems
+        lines = []
+        for loc, line, msg in problems:
+            where = f"{self.path}:{line}" if line else self.path
+            lines.append(f"{where}: {loc or '<top>'}: {msg}")
+        super().__init__("\n".join(lines))
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Target(Strict):
+    repo: str = "."  # relative to the repository that holds the experiment file
+    op: str  # "module:function", imported from each side's worktree
+    inputs: str  # "path/to/file.py:function", relative to the experiment file, run from this checkout
+
+    @field_validator("op")
+    @classmethod
+    def _op_form(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+            raise ValueError("expected 'package.module:function'")
+        return v
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs_form(cls, v: str) -> str:
+        if not re.fullmatch(r"[\w./-]+\.py:[A-Za-z_]\w*", v):
+            raise ValueError("expected 'relative/path.py:function'")
+        return v
+
+
+class Revision(Strict):
+    ref: str
+    env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("ref")
+    @classmethod
+    def _ref_safe(cls, v: str) -> str:
+        # git check-ref-format rules, plus no shell metacharacters: refs reach sbatch scripts.
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", v) or ".." in v or v.endswith((".lock", "/", ".")):
+            raise ValueError(f"{v!r} is not a valid git ref (letters, digits, '._/-' only)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
+                raise ValueError(f"environment variable name {key!r} must match [A-Z_][A-Z0-9_]*")
+        return v
+
+
+class BaselineRevision(Revision):
+    @field_validator("ref")
+    @classmethod
+    def _sha(cls, v: str) -> str:
+        if not re.fullmatch(r"[0-9a-f]{7,40}", v):
+            raise ValueError(f"baseline.ref must be a commit SHA (7-40 hex digits), got {v!r}")
+        return v
+
+
+class Shape(Strict):
+    """A dense shape (B, T) or a ragged one (seqlens, packed into B=1)."""
+
+    name: str
+    H: int = Field(gt=0)
+    K: int = Field(gt=0)
+    V: int = Field(gt=0)
+    B: int | None = Field(default=None, gt=0)
+    T: int | None = Field(default=None, gt=0)
+    seqlens: list[int] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not SAFE_NAME.match(v):
+            raise ValueError(f"shape name {v!r} must match {SAFE_NAME.pattern}")
+        return v
+
+    @field_validator("seqlens")
+    @classmethod
+    def _seqlens(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(n < 0 for n in v) or sum(v) == 0):
+            raise ValueError("seqlens must be a non-empty list of non-negative lengths with a positive sum")
+        return v
+
+    @model_validator(mode="after")
+    def _dense_or_varlen(self) -> "Shape":
+        dense = self.B is not None or self.T is not None
+        if self.seqlens is not None and dense:
+            raise ValueError("give either B and T (dense) or seqlens (varlen), not both")
+        if self.seqlens is None and (self.B is None or self.T is None):
+            raise ValueError("a dense shape needs both B and T (or give seqlens for varlen)")
+        return self
+
+    @property
+    def varlen(self) -> bool:
+        return self.seqlens is not None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seqlens) if self.seqlens is not None else self.B * self.T  # type: ignore[operator]
+
+
+class StagePatterns(Strict):
+    """Kernel-name regexes (or CPU op / record_function names) that make up one stage, per side."""
+
+    baseline: list[str]
+    candidate: list[str]
+
+    @field_validator("baseline", "candidate")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("a stage needs at least one kernel-name pattern")
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as e:
+                raise ValueError(f"pattern {p!r} is not a regular expression: {e}") from e
+        return v
+
+
+class _Gate(Strict):
+    name: str
+    description: str = ""
+
+
+class SpeedupGate(_Gate):
+    """Endpoint (or one stage's) speedup of one row: PASS when the CI's lower bound >= threshold."""
+
+    kind: Literal["speedup"]
+    row: str
+    mode: Mode = "fwdbwd"
+    stage: str | None = None  # a key of `stages`; None = the whole call
+    threshold: float = Field(gt=0)
+
+
+class GeomeanGate(_Gate):
+    kind: Literal["geomean"]
+    rows: list[str] = Field(min_length=1)
+    mode: Mode = "fwdbwd"
+    threshold: float = Field(gt=0)
+
+
+class NonRegressionGate(_Gate):
+    """Every listed row must not be slower than (1 + margin) x baseline outside noise."""
+
+    kind: Literal["non_regression"]
+    rows: list[str] | Literal["all"] = "all"
+    modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
+    margin: float = Field(gt=0, lt=1)
+
+
+class PeakAllocGate(_Gate):
+    """Candidate peak allocation lower than baseline's by at least `min_reduction_bytes` (an
+    arithmetic expression over the shape's B, T, H, K, V, tokens, e.g. '4*tokens*H*64')."""
+
+    kind: Literal["peak_alloc"]
+    rows: list[str] = Field(min_length=1)
+    mode: Mode = "fwdbwd"
+    min_reduction_bytes: str
+
+    @field_validator("min_reduction_bytes")
+    @classmethod
+    def _expr(cls, v: str) -> str:
+        if not re.fullmatch(r"[0-9A-Za-z_+*/() .-]+", v):
+            raise ValueError("expected an arithmetic expression over B, T, H, K, V, tokens, NK, NT")
+        return v
+
+
+class CorrectnessGate(_Gate):
+    kind: Literal["correctness"]
+
+
+class FrozenPathsGate(_Gate):
+    kind: Literal["frozen_paths"]
+
+
+class AmdahlGate(_Gate):
+    kind: Literal["amdahl"]
+    stage: str
+    row: str
+    min_share: float = Field(gt=0, lt=1)
+    min_bound: float = Field(gt=1)
+    denominator: Literal["device", "wall"] = "wall"
+
+
+class NcuExpectation(Strict):
+    stage: str
+    metric: str
+    relation: Literal["lower_by_at_least", "higher_by_at_most", "candidate_at_most", "candidate_ratio_at_least"]
+    value: float
+
+
+class NcuGate(_Gate):
+    kind: Literal["ncu"]
+    row: str
+    expect: list[NcuExpectation] = Field(min_length=1)
+
+
+class TrainingGate(_Gate):
+    kind: Literal["training"]
+    rows: list[str] = Field(min_length=1)
+    neutral_margin: float = Field(gt=0, lt=1)
+    min_best_speedup: float = Field(gt=0)
+
+
+Gate = Annotated[
+    Union[
+        SpeedupGate, GeomeanGate, NonRegressionGate, PeakAllocGate, CorrectnessGate,
+        FrozenPathsGate, AmdahlGate, NcuGate, TrainingGate,
+    ],
+    Field(discriminator="kind"),
+]
+
+
+class FixtureCase(Strict):
+    shape: str  # a name from `shapes` or `fixture_shapes`
+    initial_state: bool = True
+
+
+class Fixtures(Strict):
+    reference: str  # "module:function" (frozen path in the target repository) computing the oracle
+    cases: list[str] = Field(min_length=1)  # names of shapes in `fixture_shapes`
+    dtype: Literal["float32", "float64"] = "float32"
+    rtol: float = Field(gt=0)
+    atol: float = Field(ge=0)
+
+
+class Removable(Strict):
+    """Traffic the candidate removes, for the profile's time floor: bytes written then read."""
+
+    name: str
+    bytes: str  # expression over B, T, H, K, V, tokens, NK, NT
+    passes: int = Field(default=2, gt=0)  # 2 = written once, read once
+
+
+class ProfileSpec(Strict):
+    rows: list[str] = Field(min_length=1)
+    iters: int = Field(default=10, gt=0)
+    removable: list[Removable] = Field(default_factory=list)
+
+
+class NcuSpec(Strict):
+    rows: list[str] = Field(min_length=1)
+    stages: list[str] = Field(min_length=1)
+
+
+class SlurmSpec(Strict):
+    template: str = "comparison"
+    partition: str | None = None
+    account: str | None = None
+    constraint: str | None = None
+    gpus: int = Field(default=1, ge=0)
+    time: str = "01:00:00"
+    exclusive: bool = False
+
+
+class CpuProfile(Strict):
+    """What the same command runs on a machine without a GPU: a small fp32 smoke test."""
+
+    shapes: list[Shape] = Field(min_length=1)
+    dtype: Literal["float32"] = "float32"
+    samples_per_block: int = Field(default=3, gt=0)
+    warmup: int = Field(default=1, ge=0)
+    blocks: int = Field(default=3, ge=3)
+
+
+class Experiment(Strict):
+    name: str
+    description: str = ""
+    target: Target
+    baseline: BaselineRevision
+    candidate: Revision
+    modes: list[Mode] = Field(min_length=1)
+    shapes: list[Shape] = Field(min_length=1)
+    dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
+    seed: int = 0
+    blocks: int = Field(default=5, ge=3)
+    samples_per_block: int = Field(default=20, gt=0)
+    warmup: int = Field(default=3, ge=0)
+    timing: Literal["cuda_events", "wall"] = "cuda_events"
+    l2_flush: bool = True
+    order: Literal["abba", "random"] = "abba"
+    stages: dict[str, StagePatterns] = Field(default_factory=dict)
+    stage_iters: int = Field(default=5, ge=0)  # profiled calls per block for stage times (GPU)
+    gates: list[Gate] = Field(min_length=1)
+    frozen_paths: list[str] = Field(default_factory=list)
+    max_attempts: int = Field(default=3, gt=0)
+    fixture_shapes: list[Shape] = Field(default_factory=list)
+    fixtures: Fixtures | None = None
+    profile: ProfileSpec | None = None
+    ncu: NcuSpec | None = None
+    slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    cpu: CpuProfile | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not SAFE_NAME.match(v):
+            raise ValueError(f"experiment name {v!r} must match {SAFE_NAME.pattern} (it names folders and branches)")
+        return v
+
+    @field_validator("modes")
+    @classmethod
+    def _unique_modes(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError("modes must not repeat")
+        return v
+
+    @model_validator(mode="after")
+    def _references(self) -> "Experiment":
+        names = [s.name for s in self.shapes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"shape names must be unique, got {names}")
+        known = set(names)
+        for gate in self.gates:
+            rows: list[str] = []
+            if isinstance(gate, (SpeedupGate, AmdahlGate, NcuGate)):
+                rows = [gate.row]
+            elif isinstance(gate, (GeomeanGate, PeakAllocGate, TrainingGate)):
+                rows = list(gate.rows)
+            elif isinstance(gate, NonRegressionGate) and gate.rows != "all":
+                rows = list(gate.rows)
+            missing = [r for r in rows if r not in known and not isinstance(gate, TrainingGate)]
+            if missing:
+                raise ValueError(f"gate {gate.name!r} names rows {missing} that are not in shapes {sorted(known)}")
+            stage = getattr(gate, "stage", None)
+            if stage is not None and stage not in self.stages:
+                raise ValueError(f"gate {gate.name!r} names stage {stage!r}, not one of stages {sorted(self.stages)}")
+            if isinstance(gate, (SpeedupGate, GeomeanGate, PeakAllocGate)) and gate.mode not in self.modes:
+                raise ValueError(f"gate {gate.name!r} uses mode {gate.mode!r}, not one of modes {self.modes}")
+            if isinstance(gate, CorrectnessGate) and self.fixtures is None:
+                raise ValueError(f"gate {gate.name!r} (correctness) needs a `fixtures` section")
+            if isinstance(gate, AmdahlGate) and self.profile is None:
+                raise ValueError(f"gate {gate.name!r} (amdahl) needs a `profile` section")
+        gate_names = [g.name for g in self.gates]
+        if len(set(gate_names)) != len(gate_names):
+            raise ValueError(f"gate names must be unique, got {gate_names}")
+        fixture_names = {s.name for s in self.fixture_shapes}
+        if self.fixtures is not None:
+            missing = [c for c in self.fixtures.cases if c not in fixture_names]
+            if missing:
+                raise ValueError(f"fixtures.cases names {missing}, not in fixture_shapes {sorted(fixture_names)}")
+        for section, rows in (("profile", self.profile), ("ncu", self.ncu)):
+            if rows is not None:
+                missing = [r for r in rows.rows if r not in known]
+                if missing:
+                    raise ValueError(f"{section}.rows names {missing}, not in shapes {sorted(known)}")
+        if self.ncu is not None:
+            missing = [s for s in self.ncu.stages if s not in self.stages]
+            if missing:
+                raise ValueError(f"ncu.stages names {missing}, not in stages {sorted(self.stages)}")
+        return self
+
+    def shape(self, name: str) -> Shape:
+        for s in [*self.shapes, *self.fixture_shapes]:
+            if s.name == name:
+                return s
+        raise KeyError(f"experiment {self.name!r} has no shape named {name!r}")
+
+
+class LoadedExperiment(BaseModel):
+    """An experiment with the place it came from (relative paths resolve against it)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    exp: Experiment
+    path: Path  # the YAML file
+    root: Path  # the repository that holds the YAML (the harness's checkout for our experiments)
+
+    @property
+    def target_repo(self) -> Path:
+        return (self.root / self.exp.target.repo).resolve()
+
+    @property
+    def inputs_file(self) -> Path:
+        return (self.path.parent / self.exp.target.inputs.split(":")[0]).resolve()
+
+
+# --- loading with line numbers ---------------------------------------------------------------
+
+def _line_index(node: yaml.Node, prefix: tuple = ()) -> dict[tuple, int]:
+    """Map every YAML path (tuple of keys / indices) to its 1-based line."""
+    index = {prefix: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            key = key_node.value
+            index[prefix + (key,)] = key_node.start_mark.line + 1
+            index.update({k: v for k, v in _line_index(value_node, prefix + (key,)).items() if k != prefix + (key,)})
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            index.update(_line_index(item, prefix + (i,)))
+    return index
+
+
+def _line_for(loc: tuple, index: dict[tuple, int]) -> int | None:
+    # pydantic adds discriminator tags (e.g. 'speedup') into loc; drop parts the YAML lacks.
+    path: tuple = ()
+    best = index.get(())
+    for part in loc:
+        if path + (part,) in index:
+            path = path + (part,)
+            best = index[path]
+    return best
+
+
+def _fmt_loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    pass
+
+
+def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key]})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line + 1
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+
+
+def _repo_root(path: Path) -> Path:
+    for parent in [path.parent, *path.parent.parents]:
+        if (parent / ".git").exists():
+            return parent
+    return path.parent
+
+
+def load_experiment(path: str | Path) -> LoadedExperiment:
+    """Parse and validate an experiment file; raise SpecError naming file, field and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(path, [("", None, "no such experiment file")])
+    text = path.read_text()
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        raise SpecError(path, [("", mark.line + 1 if mark else None, f"not valid YAML: {e}")]) from e
+    if not isinstance(data, dict):
+        raise SpecError(path, [("", 1, "expected a mapping of experiment fields at the top level")])
+    index = _line_index(node) if node is not None else {}
+    try:
+        exp = Experiment.model_validate(data)
+    except ValidationError as e:
+        problems = []
+        for err in e.errors():
+            loc = tuple(err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = "unknown key"
+            problems.append((_fmt_loc(loc), _line_for(loc, index), msg))
+        raise SpecError(path, problems) from None
+    loaded = LoadedExperiment(exp=exp, path=path.resolve(), root=_repo_root(path.resolve()))
+    _check_against_inputs(loaded, index)
+    return loaded
+
+
+def load_inputs_module(loaded: LoadedExperiment):
+    """Import the inputs factory file under a private module name (never as part of the op's package)."""
+    file = loaded.inputs_file
+    if not file.is_file():
+        raise SpecError(loaded.path, [("target.inputs", None, f"inputs file {file} does not exist")])
+    spec = importlib.util.spec_from_file_location(f"_harness_inputs_{loaded.exp.name.replace('-', '_').replace('.', '_')}", file)
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module
+
+
+def inputs_factory(loaded: LoadedExperiment):
+    module = load_inputs_module(loaded)
+    fn_name = loaded.exp.target.inputs.split(":")[1]
+    if not hasattr(module, fn_name):
+        raise SpecError(loaded.path, [("target.inputs", None, f"{loaded.inputs_file} has no function {fn_name!r}")])
+    return module, getattr(module, fn_name)
+
+
+def _check_against_inputs(loaded: LoadedExperiment, index: dict[tuple, int]) -> None:
+    """Ask the op's inputs module whether it can take each declared shape (its `shape_problem`)."""
+    module, _ = inputs_factory(loaded)
+    check = getattr(module, "shape_problem", None)
+    if check is None:
+        return
+    problems = []
+    groups = [("shapes", loaded.exp.shapes), ("fixture_shapes", loaded.exp.fixture_shapes)]
+    if loaded.exp.cpu is not None:
+        groups.append(("cpu.shapes", loaded.exp.cpu.shapes))
+    for field, shapes in groups:
+        for i, shape in enumerate(shapes):
+            why = check(shape.model_dump(exclude_none=True))
+            if why:
+                loc = tuple(field.split(".")) + (i,)
+                problems.append((f"{field}[{i}] ({shape.name})", _line_for(loc, index), f"the op cannot take this shape: {why}"))
+    if problems:
+        raise SpecError(loaded.path, problems)

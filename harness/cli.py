@@ -13,6 +13,7 @@ from harness.spec import SpecError
 # Each module defines `add_parser(subparsers)` which registers its subcommand with `func=run`.
 COMMANDS = [
     "validate",
+    "run",
 ]
 
 EXIT_GO, EXIT_NOGO, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3

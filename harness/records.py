@@ -87,6 +87,8 @@ def load_blocks(samples_path: Path) -> list[Block]:
                                   host=rec.get("host"), gpu_before=rec.get("gpu"))
             continue
         b = attempts.get(key)
+        if b is None and kind == "block_end":  # a worker that died before it could open its block
+            b = attempts[key] = Block(index=rec["block"], side=rec["side"], attempt=key)
         if b is None:
             continue
         row = (rec.get("shape"), rec.get("mode"))

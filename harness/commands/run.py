@@ -1,0 +1,46 @@
+"""`harness run EXP`: the whole protocol, resumable (`--resume`); exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE, 2 error."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.cli import UsageError
+from harness.revisions import RevisionError
+from harness.run import VERDICT_EXIT, RunError, RunOptions, run_experiment
+from harness.spec import load_experiment
+
+
+def add_common(p) -> None:
+    p.add_argument("experiment", help="path to experiments/<name>.yaml")
+    p.add_argument("--resume", action="store_true", help="continue the newest (or --run-id) run from its last complete block")
+    p.add_argument("--run-id", help="name of the run directory under profile/<name>/runs/")
+    p.add_argument("--profile-root", type=Path, help="where raw records go (default: ./profile of this checkout)")
+    p.add_argument("--reports-root", type=Path, help="where reports go (default: ./reports of this checkout)")
+    p.add_argument("--cpu", action="store_true", help="run the CPU smoke-test profile even when a GPU is present")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run the whole protocol of an experiment and print its verdict")
+    add_common(p)
+    p.add_argument("--note", default="", help="what this attempt changed (logged with the attempt)")
+    p.add_argument("--reopen", metavar="REASON", help="allow a GO after the attempt budget is spent (logged)")
+    p.add_argument("--aa", action="store_true", help="A/A run: baseline against itself, to measure the noise floor")
+    p.set_defaults(func=run)
+
+
+def options(args) -> RunOptions:
+    opts = RunOptions(resume=args.resume, run_id=args.run_id, note=getattr(args, "note", ""),
+                      reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False))
+    if args.profile_root:
+        opts.profile_root = args.profile_root.resolve()
+    if args.reports_root:
+        opts.reports_root = args.reports_root.resolve()
+    return opts
+
+
+def run(args) -> int:
+    loaded = load_experiment(args.experiment)
+    try:
+        verdict, _, _ = run_experiment(loaded, options(args))
+    except (RunError, RevisionError) as e:
+        raise UsageError(str(e)) from e
+    return VERDICT_EXIT[verdict]

@@ -1,0 +1,205 @@
+"""`harness run`: the whole protocol for one experiment, resumable after any crash.
+
+Phases, each writing its own record under profile/<name>/<run-id>/ and skipped when that record
+exists (so `--resume` re-runs only what is missing):
+    resolve -> freeze + verify (when `fixtures:`) -> profile (when an amdahl gate) -> bench
+    -> ncu (GPU, when `ncu:`) -> analyse + report -> attempt log
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from harness import revisions as rev
+from harness.bench import HARNESS_ROOT, BenchSettings, block_plan, run_blocks
+from harness.spec import LoadedExperiment
+
+VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
+
+
+class RunError(Exception):
+    """The run cannot proceed as asked (bad resume, missing run, experiment changed)."""
+
+
+@dataclass
+class RunOptions:
+    resume: bool = False
+    run_id: str | None = None
+    note: str = ""
+    reopen: str | None = None
+    profile_root: Path = HARNESS_ROOT / "profile"
+    reports_root: Path = HARNESS_ROOT / "reports"
+    force_cpu: bool = False
+    aa: bool = False  # baseline against itself: the noise floor
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def new_run_id() -> str:
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + os.urandom(2).hex()
+
+
+def pick_run_dir(loaded: LoadedExperiment, opts: RunOptions) -> tuple[str, Path, bool]:
+    """(run id, run dir, whether it already existed)."""
+    exp_dir = opts.profile_root / loaded.exp.name / "runs"
+    if opts.run_id:
+        run_dir = exp_dir / opts.run_id
+        if opts.resume and not run_dir.exists():
+            raise RunError(f"--resume --run-id {opts.run_id}: no such run under {exp_dir}")
+        return opts.run_id, run_dir, run_dir.exists()
+    if opts.resume:
+        runs = sorted(p for p in exp_dir.glob("*") if (p / "run.json").exists()) if exp_dir.exists() else []
+        if not runs:
+            raise RunError(f"--resume: no earlier run of {loaded.exp.name!r} under {exp_dir}")
+        return runs[-1].name, runs[-1], True
+    run_id = new_run_id()
+    return run_id, exp_dir / run_id, False
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)  # atomic: a crash never leaves half a record
+
+
+def _harness_sha() -> str | None:
+    try:
+        import git
+
+        return git.Repo(HARNESS_ROOT).head.commit.hexsha
+    except Exception:
+        return None
+
+
+def _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts) -> dict:
+    from harness.device import device_info, versions
+
+    return {
+        "run_id": run_id, "experiment": loaded.exp.name, "experiment_file": str(loaded.path),
+        "experiment_yaml": loaded.path.read_text(), "cpu_mode": cpu_mode, "aa": opts.aa,
+        "device": device_info(), "versions": {**versions(), "harness_sha": _harness_sha()},
+        "host": socket.gethostname(), "commands": [shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])],
+        "started": _now(), "finished": None, "note": opts.note,
+        "revisions": revisions.to_json(), "plan": [{"block": i, "side": s} for i, s in enumerate(plan)],
+        "timing": {"method": settings.timing, "l2_flush": settings.l2_flush,
+                   "samples_per_block": settings.samples_per_block, "warmup": settings.warmup,
+                   "quantiles": "numpy linear (type 7)"},
+        "dtype": settings.dtype, "settings": settings.to_json(), "slurm": _slurm_env(),
+    }
+
+
+def _slurm_env() -> dict | None:
+    if "SLURM_JOB_ID" not in os.environ:
+        return None
+    keys = ["SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURMD_NODENAME", "SLURM_JOB_PARTITION",
+            "CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS"]
+    return {k.lower(): os.environ.get(k) for k in keys}
+
+
+def run_experiment(loaded: LoadedExperiment, opts: RunOptions, log: Callable[[str], None] = print) -> tuple[str, Path, dict]:
+    """Run (or resume) the protocol; returns (verdict, report dir, report dict)."""
+    from harness.device import cuda_available
+
+    exp = loaded.exp
+    cpu_mode = opts.force_cpu or not cuda_available()
+    run_id, run_dir, existed = pick_run_dir(loaded, opts)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    manifest_path = run_dir / "run.json"
+
+    if existed and manifest_path.exists():
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("experiment_yaml") != loaded.path.read_text():
+            raise RunError(f"{loaded.path} changed since run {run_id} started; resume needs the same experiment "
+                           "(start a new run instead)")
+        revisions = rev.Revisions.from_json(manifest["revisions"])
+        rev.check_unmoved(revisions)
+        cpu_mode = manifest["cpu_mode"]
+        settings = BenchSettings.for_machine(loaded, cpu_mode)
+        plan = [p["side"] for p in manifest["plan"]]
+        manifest["commands"].append(shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+        log(f"resuming run {run_id} ({sum(1 for _ in (run_dir / 'samples.jsonl').open()) if (run_dir / 'samples.jsonl').exists() else 0} records so far)")
+    else:
+        revisions = rev.resolve(loaded, opts.profile_root)
+        if opts.aa:
+            revisions = rev.Revisions(repo=revisions.repo, baseline=revisions.baseline, candidate=rev.ResolvedSide(
+                **{**revisions.baseline.__dict__, "side": "candidate"}))
+        settings = BenchSettings.for_machine(loaded, cpu_mode)
+        plan = block_plan(settings.blocks_per_side, exp.order, exp.seed)
+        manifest = _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts)
+        log(f"run {run_id}: baseline {revisions.baseline.sha[:12]} vs candidate {revisions.candidate.sha[:12]}"
+            f" ({revisions.candidate.ref}){' [CPU smoke test: Triton interpreter, fp32]' if cpu_mode else ''}")
+    _write_json(manifest_path, manifest)
+
+    terminal = _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
+    if terminal is None:
+        _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+        run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
+        _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+
+    manifest["finished"] = _now()
+    _write_json(manifest_path, manifest)
+    return _report_phase(loaded, run_dir, opts, terminal, log)
+
+
+def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | None:
+    """Freeze the oracle (once per experiment) and verify both sides against it."""
+    if loaded.exp.fixtures is None:
+        return None
+    from harness import attempts, fixtures, verify
+
+    state = attempts.experiment_state(opts.profile_root, loaded.exp)
+    if state.get("state") == "TERMINAL_NO_GO":
+        log(f"experiment is terminally NO-GO: {state.get('reason')}")
+        return f"terminal NO-GO: {state.get('reason')}"
+    if not (run_dir / "verify.json").exists():
+        record = fixtures.freeze(loaded, revisions, opts.profile_root, log=log)
+        if record.terminal:
+            return f"red baseline: {record.reason}"
+        verify.verify_run(loaded, revisions, record, run_dir, cpu_mode=cpu_mode, log=log)
+    return None
+
+
+def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
+    if loaded.exp.profile is None or (run_dir / "profile.json").exists():
+        return
+    try:
+        from harness import profile
+    except ImportError:
+        return
+    profile.profile_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
+
+
+def _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
+    if cpu_mode or loaded.exp.ncu is None or (run_dir / "ncu.json").exists():
+        return
+    try:
+        from harness import ncu
+    except ImportError:
+        return
+    ncu.ncu_run(loaded, revisions, run_dir, opts.profile_root, log=log)
+
+
+def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict]:
+    from harness import analyse, report
+
+    data = analyse.build_report(loaded, run_dir, terminal=terminal)
+    out_dir = opts.reports_root / loaded.exp.name / run_dir.name
+    analyse.write_report(data, out_dir)
+    report.render_index(opts.reports_root)
+    verdict = data["verdict"]["verdict"] if isinstance(data["verdict"], dict) else data["verdict"]
+    if loaded.exp.fixtures is not None or True:
+        from harness import attempts
+
+        if not json.loads((run_dir / "run.json").read_text()).get("aa"):
+            attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note, reopen=opts.reopen)
+    log(f"verdict: {verdict}  report: {out_dir / 'index.html'}")
+    return verdict, out_dir, data

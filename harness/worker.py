@@ -1,0 +1,256 @@
+"""One measured block: runs in a fresh process, times one side's op, appends records as it goes.
+
+Started by harness/bench.py as `python -m harness.worker JOB.json` with this checkout on
+PYTHONPATH. The harness (timing, inputs, records) is imported first, from this checkout; only then
+is the side's worktree put at the front of sys.path and the op imported from it, so the op never
+comes from the other side and the harness never from the worktree.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from harness.device import gpu_snapshot
+from harness.records import append_jsonl
+from harness.spec import SpecError  # noqa: F401  (imported so the harness package is pinned before the worktree)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _load_inputs(file: str, fn: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_harness_block_inputs", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, fn)
+
+
+def _load_op(worktree: str, op: str):
+    sys.path.insert(0, worktree)
+    module_name, fn = op.split(":")
+    import importlib
+
+    module = importlib.import_module(module_name)
+    origin = Path(module.__file__).resolve()
+    if not str(origin).startswith(str(Path(worktree).resolve())):
+        raise RuntimeError(f"op module {module_name} was imported from {origin}, not from the side's worktree {worktree}")
+    return getattr(module, fn)
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    raise TypeError(f"op returned {type(out).__name__}; expected a tensor or a tuple of tensors")
+
+
+class Call:
+    """One (shape, mode) made callable: forward, or forward plus backward with a fixed cotangent."""
+
+    def __init__(self, op, inputs: dict, mode: str, seed: int):
+        self.op, self.mode = op, mode
+        self.args, self.kwargs = inputs.get("args", ()), inputs.get("kwargs", {})
+        self.grad_inputs = [self.kwargs[n] for n in inputs.get("grad_inputs", [])] if mode == "fwdbwd" else []
+        self.cotangents = None
+        self.seed = seed
+
+    def __call__(self):
+        if self.mode == "fwd":
+            with torch.no_grad():
+                return _tensors(self.op(*self.args, **self.kwargs))
+        outs = [t for t in _tensors(self.op(*self.args, **self.kwargs)) if t.requires_grad]
+        if self.cotangents is None:
+            g = torch.Generator(device="cpu").manual_seed(self.seed + 1)
+            self.cotangents = [torch.randn(o.shape, generator=g, dtype=torch.float32).to(o.device, o.dtype) for o in outs]
+        grads = torch.autograd.grad(outs, self.grad_inputs, self.cotangents, allow_unused=True)
+        return outs + [g for g in grads if g is not None]
+
+
+class Timer:
+    """CUDA events around each call with an L2 flush before it; perf_counter on CPU."""
+
+    def __init__(self, method: str, l2_flush: bool):
+        self.cuda = torch.cuda.is_available()
+        self.method = method if self.cuda else "wall"
+        self.flush_buf = None
+        if self.cuda and l2_flush:
+            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 * 2**20
+            self.flush_buf = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time_ms(self, fn) -> float:
+        if self.flush_buf is not None:
+            self.flush_buf.zero_()
+        if self.cuda and self.method == "cuda_events":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        self.sync()
+        t0 = time.perf_counter()
+        fn()
+        self.sync()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def peak_bytes(fn) -> int | None:
+    """Bytes allocated at the peak of one call above what was held before it (CUDA only)."""
+    if not torch.cuda.is_available():
+        return None  # a CPU 0 is no peak: report nothing
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def kernel_times(fn, iters: int) -> list[dict[str, float]]:
+    """Device time per kernel name for each of `iters` calls (CPU: profiler op/range times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    per_call = []
+    for _ in range(iters):
+        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+        with profile(activities=acts) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        totals: dict[str, float] = {}
+        for evt in prof.events():
+            is_dev = evt.device_type == torch.autograd.DeviceType.CUDA
+            if cuda != is_dev:
+                continue
+            us = evt.time_range.elapsed_us() if cuda else evt.cpu_time_total
+            totals[evt.name] = totals.get(evt.name, 0.0) + us / 1e3
+        per_call.append(totals)
+    return per_call
+
+
+def assign_stages(kernels: dict[str, float], patterns: dict[str, list[str]]) -> dict[str, float]:
+    """Sum kernel times into stages by regex (a kernel counts in every stage it matches)."""
+    out = {}
+    for stage, pats in patterns.items():
+        rx = [re.compile(p) for p in pats]
+        out[stage] = sum(ms for name, ms in kernels.items() if any(r.search(name) for r in rx))
+    return out
+
+
+def run_block(job: dict) -> int:
+    base = {"block": job["block"], "side": job["side"], "attempt": job["attempt"]}
+    samples_path = Path(job["samples_path"])
+
+    def emit(kind: str, **fields):
+        append_jsonl(samples_path, {"type": kind, **base, **fields})
+
+    emit("block_start", t=_now(), host=socket.gethostname(), pid=os.getpid(), gpu=gpu_snapshot())
+    status, error = "ok", None
+    try:
+        make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
+        op = _load_op(job["worktree"], job["op"])
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cpu":
+            # one thread: blocks on a shared CPU are steadier, and the two sides get the same
+            torch.set_num_threads(int(os.environ.get("HARNESS_CPU_THREADS", "1")))
+        dtype = _DTYPES[job["dtype"]]
+        timer = Timer(job["timing"], job["l2_flush"])
+        rows = [(s, m) for s in job["shapes"] for m in job["modes"]]
+        broken: dict[tuple[str, str], str] = {}
+
+        def build(shape: dict, mode: str) -> Call:
+            inputs = make_inputs(shape, mode, dtype, device, job["seed"])
+            return Call(op, inputs, mode, job["seed"])
+
+        # Warm every (shape, mode) before the first timed sample: compile and autotune happen here.
+        for shape, mode in rows:
+            try:
+                call = build(shape, mode)
+                for _ in range(max(1, job["warmup"])):
+                    outs = call()
+                timer.sync()
+                bad = [i for i, t in enumerate(outs) if t.is_floating_point() and not torch.isfinite(t).all()]
+                if bad:
+                    raise FloatingPointError(f"non-finite values in output(s) {bad}")
+            except Exception as e:  # recorded, and the block goes on with the other rows
+                broken[(shape["name"], mode)] = f"{type(e).__name__}: {e}"
+                emit("failure", shape=shape["name"], mode=mode, error=broken[(shape["name"], mode)],
+                     trace=traceback.format_exc(limit=8))
+                _free_cuda()
+            finally:
+                call = outs = None
+
+        for shape, mode in rows:
+            key = (shape["name"], mode)
+            if key in broken:
+                continue
+            try:
+                call = build(shape, mode)
+                call()  # re-warm after regenerating inputs (allocator, caches)
+                for i in range(job["samples"]):
+                    emit("sample", shape=key[0], mode=mode, i=i, ms=timer.time_ms(call))
+                peak = peak_bytes(call)
+                if peak is not None:
+                    emit("peak", shape=key[0], mode=mode, bytes=int(peak))
+                if job["stage_iters"] > 0 and job["stage_patterns"]:
+                    per_call = kernel_times(call, job["stage_iters"])
+                    for i, kernels in enumerate(per_call):
+                        for stage, ms in assign_stages(kernels, job["stage_patterns"]).items():
+                            emit("stage", shape=key[0], mode=mode, i=i, stage=stage, ms=ms)
+                    totals: dict[str, list] = {}
+                    for kernels in per_call:
+                        for name, ms in kernels.items():
+                            t = totals.setdefault(name, [0.0, 0])
+                            t[0] += ms
+                            t[1] += 1
+                    emit("kernels", shape=key[0], mode=mode, iters=len(per_call), kernels=totals)
+            except Exception as e:
+                emit("failure", shape=key[0], mode=mode, error=f"{type(e).__name__}: {e}",
+                     trace=traceback.format_exc(limit=8))
+                _free_cuda()
+            finally:
+                call = None
+    except Exception as e:
+        status, error = "failed", f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    emit("block_end", t=_now(), status=status, error=error, gpu=gpu_snapshot())
+    return 0 if status == "ok" else 1
+
+
+def _free_cuda():
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception:
+            pass
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    job = json.loads(Path(argv[0]).read_text())
+    return run_block(job)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""End to end on CPU: experiment file -> worktrees -> interleaved blocks -> verdict report, in a real
+temporary git repository, through the real CLI (`python -m harness`)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.records import completed_blocks, load_blocks
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEEDUP_GATE = """\
+- {kind: speedup, name: endpoint, row: small, mode: fwd, threshold: 1.25}
+"""
+
+
+def harness(*args, cwd: Path, timeout=600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "harness", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_exp(repo, exp_path, *extra):
+    return harness("run", exp_path, "--profile-root", repo.root / "profile", "--reports-root", repo.root / "reports",
+                   *extra, cwd=repo.root)
+
+
+def only_report(repo, name) -> tuple[dict, str]:
+    [report_json] = list((repo.root / "reports" / name).glob("*/report.json"))
+    return json.loads(report_json.read_text()), (report_json.parent / "index.html").read_text()
+
+
+def test_slower_candidate_is_no_go(temp_repo):
+    temp_repo.branch("slow", work=12)  # three times the work
+    exp = temp_repo.experiment("slow-cand", "slow", SPEEDUP_GATE)
+    res = run_exp(temp_repo, exp)
+    assert res.returncode == 1, res.stdout + res.stderr
+    report, html = only_report(temp_repo, "slow-cand")
+    gate = next(g for g in report["gates"] if g["name"] == "endpoint")
+    assert gate["status"] == "FAIL"
+    assert gate["numbers"]["hi"] < 1.25
+    assert "endpoint" in html and "FAIL" in html
+    row = next(r for r in report["rows"] if r["shape"] == "small" and r["mode"] == "fwd")
+    assert row["baseline"]["n"] == 3 * 5 and row["candidate"]["n"] == 3 * 5
+    assert 0.2 < row["speedup"]["point"] < 0.6  # ~1/3, with CPU noise
+
+
+def test_faster_candidate_is_go(temp_repo):
+    temp_repo.branch("fast", work=2)  # half the work
+    exp = temp_repo.experiment("fast-cand", "fast", SPEEDUP_GATE)
+    res = run_exp(temp_repo, exp)
+    assert res.returncode == 0, res.stdout + res.stderr
+    report, _ = only_report(temp_repo, "fast-cand")
+    assert report["verdict"]["verdict"] == "GO"
+    # both sides came from their own worktrees at the pinned SHAs
+    prov = report["provenance"]["revisions"]
+    assert prov["baseline"]["sha"] == temp_repo.baseline_sha
+    assert prov["candidate"]["branch"] == "fast"
+
+
+def test_identical_candidate_never_fails_non_regression(temp_repo):
+    temp_repo.branch("same", work=4, message="candidate: same work, new commit")
+    exp = temp_repo.experiment("same-cand", "same", """\
+        - {kind: non_regression, name: no-regress, rows: all, modes: [fwd], margin: 0.02}
+        """)
+    res = run_exp(temp_repo, exp)
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    report, _ = only_report(temp_repo, "same-cand")
+    assert [g["status"] for g in report["gates"]] != ["FAIL"]
+
+
+def test_sigkill_mid_block_resumes_without_loss_or_duplicates(temp_repo):
+    temp_repo.branch("fast", work=2)
+    exp = temp_repo.experiment("killed", "fast", SPEEDUP_GATE, samples=40)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [sys.executable, "-m", "harness", "run", str(exp), "--run-id", "r1",
+            "--profile-root", str(temp_repo.root / "profile"), "--reports-root", str(temp_repo.root / "reports")]
+    proc = subprocess.Popen(args, cwd=temp_repo.root, env=env, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    samples = temp_repo.root / "profile" / "killed" / "runs" / "r1" / "samples.jsonl"
+    deadline = time.time() + 240
+    killed_block = None
+    while time.time() < deadline:
+        recs = [json.loads(l) for l in samples.read_text().splitlines() if l.strip()] if samples.exists() else []
+        mid = [r for r in recs if r["type"] == "sample" and r["block"] == 2 and r["i"] >= 3]
+        if mid:
+            os.killpg(proc.pid, signal.SIGKILL)  # the orchestrator and its worker, mid-block
+            killed_block = 2
+            break
+        time.sleep(0.05)
+    proc.wait(timeout=30)
+    assert killed_block == 2, "the run never reached block 2"
+    assert 2 not in {b.index for b in completed_blocks(samples)}
+
+    res = run_exp(temp_repo, exp, "--resume", "--run-id", "r1")
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    done = completed_blocks(samples)
+    assert [b.index for b in done] == list(range(6))
+    assert [b.side for b in done] == ["baseline", "candidate", "candidate", "baseline", "baseline", "candidate"]
+    assert all(len(b.samples[("small", "fwd")]) == 40 for b in done)
+    attempts_of_2 = [b for b in load_blocks(samples) if b.index == 2]
+    assert len(attempts_of_2) == 2 and not attempts_of_2[0].complete  # the killed attempt is kept, not read
+
+
+def test_bad_experiment_exits_2_naming_field(temp_repo):
+    exp = temp_repo.experiment("bad", "main", SPEEDUP_GATE, blocks=2)
+    res = run_exp(temp_repo, exp)
+    assert res.returncode == 2
+    assert "blocks" in res.stderr and "bad.yaml:" in res.stderr
+
+
+def test_unresolvable_candidate_exits_2(temp_repo):
+    exp = temp_repo.experiment("nope", "no-such-branch", SPEEDUP_GATE)
+    res = run_exp(temp_repo, exp)
+    assert res.returncode == 2
+    assert "candidate.ref 'no-such-branch' does not resolve" in res.stderr

@@ -339,47 +339,10 @@ class Experiment(Strict):
 
     @model_validator(mode="after")
     def _references(self) -> "Experiment":
-        names = [s.name for s in self.shapes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"shape names must be unique, got {names}")
-        known = set(names)
-        for gate in self.gates:
-            rows: list[str] = []
-            if isinstance(gate, (SpeedupGate, AmdahlGate, NcuGate)):
-                rows = [gate.row]
-            elif isinstance(gate, (GeomeanGate, PeakAllocGate, TrainingGate)):
-                rows = list(gate.rows)
-            elif isinstance(gate, NonRegressionGate) and gate.rows != "all":
-                rows = list(gate.rows)
-            missing = [r for r in rows if r not in known and not isinstance(gate, TrainingGate)]
-            if missing:
-                raise ValueError(f"gate {gate.name!r} names rows {missing} that are not in shapes {sorted(known)}")
-            stage = getattr(gate, "stage", None)
-            if stage is not None and stage not in self.stages:
-                raise ValueError(f"gate {gate.name!r} names stage {stage!r}, not one of stages {sorted(self.stages)}")
-            if isinstance(gate, (SpeedupGate, GeomeanGate, PeakAllocGate)) and gate.mode not in self.modes:
-                raise ValueError(f"gate {gate.name!r} uses mode {gate.mode!r}, not one of modes {self.modes}")
-            if isinstance(gate, CorrectnessGate) and self.fixtures is None:
-                raise ValueError(f"gate {gate.name!r} (correctness) needs a `fixtures` section")
-            if isinstance(gate, AmdahlGate) and self.profile is None:
-                raise ValueError(f"gate {gate.name!r} (amdahl) needs a `profile` section")
-        gate_names = [g.name for g in self.gates]
-        if len(set(gate_names)) != len(gate_names):
-            raise ValueError(f"gate names must be unique, got {gate_names}")
-        fixture_names = {s.name for s in self.fixture_shapes}
-        if self.fixtures is not None:
-            missing = [c for c in self.fixtures.cases if c not in fixture_names]
-            if missing:
-                raise ValueError(f"fixtures.cases names {missing}, not in fixture_shapes {sorted(fixture_names)}")
-        for section, rows in (("profile", self.profile), ("ncu", self.ncu)):
-            if rows is not None:
-                missing = [r for r in rows.rows if r not in known]
-                if missing:
-                    raise ValueError(f"{section}.rows names {missing}, not in shapes {sorted(known)}")
-        if self.ncu is not None:
-            missing = [s for s in self.ncu.stages if s not in self.stages]
-            if missing:
-                raise ValueError(f"ncu.stages names {missing}, not in stages {sorted(self.stages)}")
+        problems = cross_reference_problems(self)
+        if problems:
+            # "@<yaml path>: message" lets load_experiment point at the line (see _located)
+            raise ValueError("; ".join(f"@{loc}: {msg}" for loc, msg in problems))
         return self
 
     def shape(self, name: str) -> Shape:
@@ -404,6 +367,71 @@ class LoadedExperiment(BaseModel):
     @property
     def inputs_file(self) -> Path:
         return (self.path.parent / self.exp.target.inputs.split(":")[0]).resolve()
+
+
+def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
+    """Names that must point at something declared elsewhere in the file: (yaml path, problem)."""
+    out: list[tuple[str, str]] = []
+    names = [s.name for s in exp.shapes]
+    if len(set(names)) != len(names):
+        out.append(("shapes", f"shape names must be unique, got {names}"))
+    known = set(names)
+    for i, gate in enumerate(exp.gates):
+        at = f"gates[{i}]"
+        if isinstance(gate, (SpeedupGate, AmdahlGate, NcuGate)) and gate.row not in known:
+            out.append((f"{at}.row", f"gate {gate.name!r} names row {gate.row!r}, not one of shapes {sorted(known)}"))
+        rows = getattr(gate, "rows", None)
+        if isinstance(rows, list) and not isinstance(gate, TrainingGate):
+            missing = [r for r in rows if r not in known]
+            if missing:
+                out.append((f"{at}.rows", f"gate {gate.name!r} names rows {missing}, not in shapes {sorted(known)}"))
+        stage = getattr(gate, "stage", None)
+        if stage is not None and stage not in exp.stages:
+            out.append((f"{at}.stage", f"gate {gate.name!r} names stage {stage!r}, not one of stages {sorted(exp.stages)}"))
+        mode = getattr(gate, "mode", None)
+        if mode is not None and mode not in exp.modes:
+            out.append((f"{at}.mode", f"gate {gate.name!r} uses mode {mode!r}, not one of modes {exp.modes}"))
+        if isinstance(gate, CorrectnessGate) and exp.fixtures is None:
+            out.append((at, f"gate {gate.name!r} (correctness) needs a `fixtures` section"))
+        if isinstance(gate, AmdahlGate) and exp.profile is None:
+            out.append((at, f"gate {gate.name!r} (amdahl) needs a `profile` section"))
+    gate_names = [g.name for g in exp.gates]
+    if len(set(gate_names)) != len(gate_names):
+        out.append(("gates", f"gate names must be unique, got {gate_names}"))
+    fixture_names = {s.name for s in exp.fixture_shapes}
+    if exp.fixtures is not None:
+        missing = [c for c in exp.fixtures.cases if c not in fixture_names]
+        if missing:
+            out.append(("fixtures.cases", f"names {missing}, not in fixture_shapes {sorted(fixture_names)}"))
+    for section in ("profile", "ncu"):
+        block = getattr(exp, section)
+        if block is not None:
+            missing = [r for r in block.rows if r not in known]
+            if missing:
+                out.append((f"{section}.rows", f"names {missing}, not in shapes {sorted(known)}"))
+    if exp.ncu is not None:
+        missing = [s for s in exp.ncu.stages if s not in exp.stages]
+        if missing:
+            out.append(("ncu.stages", f"names {missing}, not in stages {sorted(exp.stages)}"))
+    return out
+
+
+def _parse_path(text: str) -> tuple:
+    parts: list = []
+    for name, index in re.findall(r"([A-Za-z_][\w]*)|\[(\d+)\]", text):
+        parts.append(name if name else int(index))
+    return tuple(parts)
+
+
+def _located(msg: str) -> list[tuple[tuple, str]] | None:
+    """Split a cross-reference message ("@path: problem; @path: problem") into located problems."""
+    if not msg.startswith("@"):
+        return None
+    out = []
+    for piece in msg.split("; @"):
+        path, _, problem = piece.lstrip("@").partition(": ")
+        out.append((_parse_path(path), problem))
+    return out
 
 
 # --- loading with line numbers ---------------------------------------------------------------
@@ -489,6 +517,10 @@ def load_experiment(path: str | Path) -> LoadedExperiment:
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
                 msg = "unknown key"
+            located = _located(msg) if not loc else None
+            if located:
+                problems += [(_fmt_loc(l), _line_for(l, index), m) for l, m in located]
+                continue
             problems.append((_fmt_loc(loc), _line_for(loc, index), msg))
         raise SpecError(path, problems) from None
     loaded = LoadedExperiment(exp=exp, path=path.resolve(), root=_repo_root(path.resolve()))

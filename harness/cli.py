@@ -14,6 +14,10 @@ from harness.spec import SpecError
 COMMANDS = [
     "validate",
     "run",
+    "submit",
+    "status",
+    "cancel",
+    "slurm_env",
 ]
 
 EXIT_GO, EXIT_NOGO, EXIT_BAD_INPUT, EXIT_INCONCLUSIVE = 0, 1, 2, 3

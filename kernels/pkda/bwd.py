@@ -39,3 +39,681 @@ intra, atk.  ``bwd.dAv`` + ``bwd.intra`` (+ beta reduction) sit behind one seam,
 ``_dAv_and_intra``, whose schedule is chosen by ``daqk_schedule`` ("materialised" by
 default).
 """
+from __future__ import annotations
+
+import math
+import os
+
+import nvtx
+import torch
+import triton
+import triton.language as tl
+
+BT = 64   # chunk
+BC = 16   # sub-chunk (local reference point for the pairwise gates)
+NC = BT // BC
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs(cands):
+    """Tiny autotune spaces; exactly one config under the interpreter (it cannot bench)."""
+    cands = [triton.Config({}, num_warps=w, num_stages=s) for w, s in cands]
+    return cands[:1] if INTERPRET else cands
+
+
+def _dot_dtype(dtype: torch.dtype):
+    """Operand dtype of tl.dot: fp16/bf16 inputs feed tensor cores in their own dtype;
+    fp32 inputs use IEEE fp32 dots."""
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
+
+
+@triton.jit
+def _mm(a, b, DT: tl.constexpr):
+    """a @ b with FP32 accumulation; operands cast to DT (fp32 -> IEEE)."""
+    if DT == tl.float32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def _chunk_bounds(chunks, i_c):
+    bos = tl.load(chunks + 2 * i_c).to(tl.int64)
+    eos = tl.load(chunks + 2 * i_c + 1).to(tl.int64)
+    return bos, eos
+
+
+# =============================================================================================
+# bwd.dAv (materialised): dAqk_s = scale * tril(dO Delta^T) -> FP32 [T,H,64];  dv_loc = Aqk^T dO
+# =============================================================================================
+@triton.autotune(configs=_configs([(4, 2), (8, 2)]), key=["H", "V", "DT"])
+@triton.jit
+def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
+                        H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                        DT: tl.constexpr, WRITE_DA: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_bounds(chunks, i_c)
+    L = eos - bos
+    o_t = tl.arange(0, BT)
+    m_t = o_t < L
+    rows = bos + o_t
+    m_A = m_t[:, None] & m_t[None, :]
+    b_A = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_A, other=0.)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        if WRITE_DA:
+            b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
+            b_dA += _mm(b_do, tl.trans(b_dl), DT)
+        b_dv = _mm(tl.trans(b_A), b_do, DT)
+        tl.store(dv_loc + p_tv, b_dv, mask=m_tv)
+    if WRITE_DA:
+        keep = m_A & (o_t[:, None] >= o_t[None, :])
+        b_dA = tl.where(keep, b_dA * scale, 0.)
+        tl.store(dAqk + (rows[:, None] * H + i_h) * BT + o_t[None, :], b_dA, mask=m_t[:, None])
+
+
+# =============================================================================================
+# bwd.dhu: reverse over the chunks of one sequence; dE (end-of-chunk state grads), dDelta, dS0
+# =============================================================================================
+@triton.autotune(configs=_configs([(4, 1), (8, 1)]), key=["H", "K", "V", "DT"])
+@triton.jit
+def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off, scale,
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                        USE_DHT: tl.constexpr):
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    coff = tl.load(chunk_off + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_kv = o_k[:, None] * V + o_v[None, :]
+    if USE_DHT:
+        b_dE = tl.load(dht + i_nh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    else:
+        b_dE = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        cbos = bos + i_t * BT
+        L = tl.minimum(eos - cbos, BT)
+        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv, b_dE, mask=m_kv)
+        rows = cbos + o_t
+        m_t = o_t < L
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_Gl = tl.load(G + ((cbos + L - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
+        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.) + _mm(b_kg, b_dE, DT)
+        tl.store(dDelta + p_tv, b_dD, mask=m_tv)
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
+        b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        b_dE = (b_dE * tl.exp(b_Gl)[:, None] + _mm(tl.trans(b_qg), b_do, DT)
+                - _mm(tl.trans(b_w), b_dD, DT))
+    tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
+
+
+# =============================================================================================
+# bwd.wy_dqkg: inter-chunk dq/dk/dp, dv, dbeta (WY part), dAkk, dG of these parts
+# =============================================================================================
+@triton.autotune(configs=_configs([(4, 2), (8, 2)]), key=["H", "K", "V", "DT"])
+@triton.jit
+def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDelta, do,
+                            dq, dk, dp, dG, dv, dbeta, dAkk, chunks, scale,
+                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                            BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_bounds(chunks, i_c)
+    L = eos - bos
+    o_t = tl.arange(0, BT)
+    m_t = o_t < L
+    rows = bos + o_t
+    m_A = m_t[:, None] & m_t[None, :]
+    b_Ti = tl.load(Tinv + (rows[:, None] * H + i_h) * BT + o_t[None, :], mask=m_A, other=0.)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    # part 1 (once per chunk): dX = Tinv^T dDelta -> dv, dAkk, dbeta (V part)
+    b_dA = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_dX = _mm(tl.trans(b_Ti), tl.load(dDelta + p_tv, mask=m_tv, other=0.), DT)
+        b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
+        b_dA += _mm(b_dX, tl.trans(b_dl), DT)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
+        b_db += tl.sum(b_dX * b_v, axis=1)
+        tl.store(dv + p_tv, b_dX * b_beta[:, None], mask=m_tv)
+    keep = m_A & (o_t[:, None] > o_t[None, :])
+    tl.store(dAkk + (rows[:, None] * H + i_h) * BT + o_t[None, :], tl.where(keep, -b_dA, 0.),
+             mask=m_t[:, None])
+    # part 2 (per K tile): dq = scale Gam (dO h^T); dp = (Delta dE^T) e^{G_C-G}; dk = -beta Gam (dX h^T)
+    h_base = (i_c.to(tl.int64) * H + i_h) * K * V
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dkg = tl.zeros([BT, BK], dtype=tl.float32)
+        b_dXh = tl.zeros([BT, BK], dtype=tl.float32)
+        b_hdE = tl.zeros([BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            p_kv = h_base + o_k[:, None] * V + o_v[None, :]
+            b_h = tl.load(h_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
+            b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.)
+            b_dX = _mm(tl.trans(b_Ti), tl.load(dDelta + p_tv, mask=m_tv, other=0.), DT)
+            b_dq += _mm(tl.load(do + p_tv, mask=m_tv, other=0.), tl.trans(b_h), DT)
+            b_dkg += _mm(tl.load(Delta + p_tv, mask=m_tv, other=0.), tl.trans(b_dE), DT)
+            b_dXh += _mm(b_dX, tl.trans(b_h), DT)
+            b_hdE += tl.sum(b_h * b_dE, axis=1)
+        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_Gl = tl.load(G + ((eos - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_gam = tl.where(m_tk, tl.exp(b_G), 0.)
+        b_dq = scale * b_gam * b_dq
+        b_dpk = tl.where(m_tk, b_dkg * tl.exp(b_Gl[None, :] - b_G), 0.)
+        b_kgam = b_k * b_gam
+        b_dk = -b_beta[:, None] * b_gam * b_dXh
+        b_db -= tl.sum(b_kgam * b_dXh, axis=1)
+        b_dG = b_q * b_dq + b_k * b_dk - b_p * b_dpk
+        b_last = tl.exp(b_Gl) * b_hdE + tl.sum(b_p * b_dpk, axis=0)
+        b_dG += tl.where((o_t == L - 1)[:, None], b_last[None, :], 0.)
+        tl.store(dq + p_tk, b_dq, mask=m_tk)
+        tl.store(dk + p_tk, b_dk, mask=m_tk)
+        tl.store(dp + p_tk, b_dpk, mask=m_tk)
+        tl.store(dG + p_tk, b_dG, mask=m_tk)
+    tl.store(dbeta + rows * H + i_h, b_db, mask=m_t)
+
+
+# =============================================================================================
+# bwd.intra (materialised): one program per (chunk x 16-token sub-chunk, head, K tile).
+# Rows I of the sub-chunk: dq, dk from the row fragment dAqk[I, :], dAkk[I, :]; dp of the
+# tokens I from the column fragments dAqk[:, I], dAkk[:, I]. Adds onto the wy_dqkg outputs
+# in place; dbeta via NK-sized partials (reduced by pkda_bwd_beta_reduce_kernel).
+# =============================================================================================
+@triton.jit
+def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d,
+                bos, L, i_s, i_h, o_k, m_k,
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    """dq, dkr (= dk / beta) and dp of the sub-chunk's 16 tokens for one K tile, from the
+    fragments (all FP32, zero outside the causal mask):
+        b_Aq_row, b_Ak_row [BC, BT]  rows I of dAqk_s / dAkk (row fragment)
+        b_Aq_col, b_Ak_col [BT, BC]  columns I (column fragment)
+        b_Aq_d, b_Ak_d     [BC, BC]  the diagonal block [I, I]
+    Off-diagonal sub-chunks use one local reference point (exponents <= 0 on both sides);
+    the diagonal block is done token by token with exact differences, masked before exp."""
+    o_i = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    I0 = i_s * BC
+    ti = I0 + o_i
+    m_i = ti < L
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = ((bos + ti)[:, None] * H + i_h) * K + o_k[None, :]
+    b_G = tl.load(G + p_ik, mask=m_ik, other=0.).to(tl.float32)
+    m_tk = (o_t < L)[:, None] & m_k[None, :]
+    p_tk = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
+    b_Ga = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    # ---- row fragment, columns j < I0: reference point G_{I0}
+    b_Gr = tl.load(G + ((bos + I0) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    m_j = (o_t < I0)[:, None] & m_k[None, :]
+    b_pa = tl.load(p + p_tk, mask=m_j, other=0.).to(tl.float32)
+    b_pg = tl.where(m_j, b_pa * tl.exp(tl.where(m_j, b_Gr[None, :] - b_Ga, 0.)), 0.)
+    b_e = tl.where(m_ik, tl.exp(b_G - b_Gr[None, :]), 0.)
+    b_dq = _mm(b_Aq_row, b_pg, DT) * b_e
+    b_dkr = _mm(b_Ak_row, b_pg, DT) * b_e
+    # ---- column fragment, rows r > i_last: reference point G_{i_last}
+    i_last = tl.minimum(I0 + BC, L) - 1
+    b_Gc = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    m_r = (o_t > i_last) & (o_t < L)
+    m_rk = m_r[:, None] & m_k[None, :]
+    b_gr = tl.where(m_rk, tl.exp(tl.where(m_rk, b_Ga - b_Gc[None, :], 0.)), 0.)
+    b_qa = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr
+    b_ba = tl.load(beta + (bos + o_t) * H + i_h, mask=m_r, other=0.).to(tl.float32)
+    b_ka = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr * b_ba[:, None]
+    b_dp = _mm(tl.trans(b_Aq_col), b_qa, DT) + _mm(tl.trans(b_Ak_col), b_ka, DT)
+    b_dp *= tl.where(m_ik, tl.exp(b_Gc[None, :] - b_G), 0.)
+    # ---- diagonal block, token s of the sub-chunk is column s (rows part) and row s (cols part)
+    for s in range(0, BC):
+        v_s = I0 + s < L
+        p_sk = ((bos + I0 + s) * H + i_h) * K + o_k
+        m_sk = m_k & v_s
+        b_ps = tl.load(p + p_sk, mask=m_sk, other=0.).to(tl.float32)
+        b_qs = tl.load(q + p_sk, mask=m_sk, other=0.).to(tl.float32)
+        b_ks = tl.load(k + p_sk, mask=m_sk, other=0.).to(tl.float32)
+        b_Gs = tl.load(G + p_sk, mask=m_sk, other=0.).to(tl.float32)
+        b_bs = tl.load(beta + (bos + I0 + s) * H + i_h, mask=v_s, other=0.).to(tl.float32)
+        sel_c = o_i[None, :] == s
+        sel_r = o_i[:, None] == s
+        b_aq_c = tl.sum(tl.where(sel_c, b_Aq_d, 0.), axis=1)     # dAqk[I, s]
+        b_ak_c = tl.sum(tl.where(sel_c, b_Ak_d, 0.), axis=1)
+        b_aq_r = tl.sum(tl.where(sel_r, b_Aq_d, 0.), axis=0)     # dAqk[s, I]
+        b_ak_r = tl.sum(tl.where(sel_r, b_Ak_d, 0.), axis=0)
+        m_lo = (o_i >= s)[:, None] & m_ik & v_s                  # rows r >= s
+        e_lo = tl.where(m_lo, tl.exp(tl.where(m_lo, b_G - b_Gs[None, :], 0.)), 0.)
+        b_dq += b_aq_c[:, None] * b_ps[None, :] * e_lo
+        b_dkr += b_ak_c[:, None] * b_ps[None, :] * e_lo
+        m_up = (o_i <= s)[:, None] & m_ik & v_s                  # columns j <= s
+        e_up = tl.where(m_up, tl.exp(tl.where(m_up, b_Gs[None, :] - b_G, 0.)), 0.)
+        b_dp += (b_aq_r[:, None] * b_qs[None, :] + b_ak_r[:, None] * (b_bs * b_ks)[None, :]) * e_up
+    return b_dq, b_dkr, b_dp
+
+
+@triton.jit
+def _load_frags(dAqk, dAkk, bos, L, i_s, i_h, H: tl.constexpr, LOAD_AQ: tl.constexpr):
+    """Row / column / diagonal fragments of the materialised dAkk (and dAqk if LOAD_AQ),
+    zero outside the causal masks the consumer expects (row: j < I0; col: r > i_last)."""
+    o_i = tl.arange(0, BC)
+    o_t = tl.arange(0, BT)
+    I0 = i_s * BC
+    ti = I0 + o_i
+    m_i = ti < L
+    i_last = tl.minimum(I0 + BC, L) - 1
+    m_row = m_i[:, None] & (o_t < I0)[None, :]
+    p_row = ((bos + ti)[:, None] * H + i_h) * BT + o_t[None, :]
+    m_col = ((o_t > i_last) & (o_t < L))[:, None] & m_i[None, :]
+    p_col = ((bos + o_t)[:, None] * H + i_h) * BT + ti[None, :]
+    m_d = m_i[:, None] & m_i[None, :]
+    p_d = ((bos + ti)[:, None] * H + i_h) * BT + ti[None, :]
+    b_Ak_row = tl.load(dAkk + p_row, mask=m_row, other=0.)
+    b_Ak_col = tl.load(dAkk + p_col, mask=m_col, other=0.)
+    b_Ak_d = tl.load(dAkk + p_d, mask=m_d, other=0.)
+    if LOAD_AQ:
+        b_Aq_row = tl.load(dAqk + p_row, mask=m_row, other=0.)
+        b_Aq_col = tl.load(dAqk + p_col, mask=m_col, other=0.)
+        b_Aq_d = tl.load(dAqk + p_d, mask=m_d, other=0.)
+    else:
+        b_Aq_row = tl.zeros([BC, BT], dtype=tl.float32)
+        b_Aq_col = tl.zeros([BT, BC], dtype=tl.float32)
+        b_Aq_d = tl.zeros([BC, BC], dtype=tl.float32)
+    return b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d
+
+
+@triton.jit
+def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_s, i_h, o_k, m_k,
+                    H: tl.constexpr, K: tl.constexpr):
+    """Adds the intra parts onto dq/dk/dp/dG (in place) and returns sum_d k*dkr (dbeta part)."""
+    o_i = tl.arange(0, BC)
+    ti = i_s * BC + o_i
+    m_i = ti < L
+    rows_i = bos + ti
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = (rows_i[:, None] * H + i_h) * K + o_k[None, :]
+    b_q = tl.load(q + p_ik, mask=m_ik, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_ik, mask=m_ik, other=0.).to(tl.float32)
+    b_p = tl.load(p + p_ik, mask=m_ik, other=0.).to(tl.float32)
+    b_b = tl.load(beta + rows_i * H + i_h, mask=m_i, other=0.).to(tl.float32)
+    b_dk = b_b[:, None] * b_dkr
+    tl.store(dq + p_ik, tl.load(dq + p_ik, mask=m_ik, other=0.) + b_dq, mask=m_ik)
+    tl.store(dk + p_ik, tl.load(dk + p_ik, mask=m_ik, other=0.) + b_dk, mask=m_ik)
+    tl.store(dp + p_ik, tl.load(dp + p_ik, mask=m_ik, other=0.) + b_dp, mask=m_ik)
+    b_dG = b_q * b_dq + b_k * b_dk - b_p * b_dp
+    tl.store(dG + p_ik, tl.load(dG + p_ik, mask=m_ik, other=0.) + b_dG, mask=m_ik)
+    return tl.sum(b_k * b_dkr, axis=1)
+
+
+@triton.autotune(configs=_configs([(4, 1), (2, 1)]), key=["H", "K", "DT"])
+@triton.jit
+def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_part, chunks, TT,
+                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+    i_x, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_c, i_s = i_x // NC, i_x % NC
+    bos, eos = _chunk_bounds(chunks, i_c)
+    L = eos - bos
+    if i_s * BC < L:
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d = _load_frags(
+            dAqk, dAkk, bos, L, i_s, i_h, H, True)
+        b_dq, b_dkr, b_dp = _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col,
+                                        b_Aq_d, b_Ak_d, bos, L, i_s, i_h, o_k, m_k, H, K, BK, DT)
+        b_db = _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_s,
+                               i_h, o_k, m_k, H, K)
+        o_i = tl.arange(0, BC)
+        rows_i = bos + i_s * BC + o_i
+        tl.store(dbeta_part + (i_k * TT + rows_i) * H + i_h, b_db, mask=(i_s * BC + o_i) < L)
+
+
+@triton.jit
+def pkda_bwd_beta_reduce_kernel(dbeta, dbeta_part, n, NK: tl.constexpr, BLOCK: tl.constexpr):
+    """dbeta += sum over the NK partials (materialised schedule only)."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    acc = tl.load(dbeta + o, mask=m, other=0.)
+    for i_k in range(NK):
+        acc += tl.load(dbeta_part + i_k * n + o, mask=m, other=0.)
+    tl.store(dbeta + o, acc, mask=m)
+
+
+@triton.jit
+def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of g)."""
+    i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, eos = _chunk_bounds(chunks, i_c)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
+    ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
+    b = tl.load(dG + ptr, mask=m, other=0.)
+    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True), mask=m)
+
+
+# =============================================================================================
+# bwd.atk: dp -> dk (p = k m(a)), dg_atk, dbeta_atk, dlog_atk_scale, da_0.
+# One program per (sequence, head), reverse over its chunks; in-chunk reverse scan as a
+# [64,64] masked decay matrix (exponents Ga_s - Ga_t <= 0, formed as differences).
+# =============================================================================================
+@triton.jit
+def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dg_atk, dbeta_atk, dc_part,
+                        da0, cu, logx, eps,
+                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                        USE_A0: tl.constexpr, USE_DAT: tl.constexpr):
+    i_nh = tl.program_id(0)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_c = tl.load(c + i_h).to(tl.float32)
+    if USE_DAT:
+        b_carry = tl.load(dat + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    else:
+        b_carry = tl.zeros([BK], dtype=tl.float32)
+    if USE_A0:
+        b_a0 = tl.load(a0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    else:
+        b_a0 = tl.zeros([BK], dtype=tl.float32)
+    b_dc = tl.zeros([BK], dtype=tl.float32)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        cbos = bos + i_t * BT
+        L = tl.minimum(eos - cbos, BT)
+        rows = cbos + o_t
+        m_t = o_t < L
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+        b_a = tl.load(a + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_dp = tl.load(dp + p_tk, mask=m_tk, other=0.)
+        b_r = tl.log(b_a + eps) - b_c
+        b_ar = tl.abs(b_r) + 1.
+        b_m = tl.exp(-logx * b_r / b_ar)
+        b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
+        b_dc -= tl.sum(b_dr, axis=0)
+        b_dad = b_dr / (b_a + eps)
+        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_Ga = tl.cumsum(b_ga, axis=0)
+        b_Gl = tl.sum(b_ga, axis=0)
+        m_M = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+        b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
+        b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
+                + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
+        m_prev = m_tk & (rows > bos)[:, None]
+        b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
+        b_ap += tl.where((rows == bos)[:, None] & m_k[None, :], b_a0[None, :], 0.)
+        b_eg = tl.exp(b_ga)
+        b_dga = tl.sum(b_da * b_eg[:, None] * b_ap, axis=1)
+        b_dba = tl.sum(b_da * b_k * b_k, axis=1)
+        b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m + 2. * b_ba[:, None] * b_k * b_da
+        tl.store(dk + p_tk, b_dk, mask=m_tk)
+        tl.store(dg_atk + rows * H + i_h, b_dga, mask=m_t)
+        tl.store(dbeta_atk + rows * H + i_h, b_dba, mask=m_t)
+        b_carry = tl.sum(tl.where((o_t == 0)[:, None], b_da * b_eg[:, None], 0.), axis=0)
+    tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_carry, mask=m_k)
+    tl.store(dc_part + i_nh, tl.sum(b_dc, axis=0))
+
+
+# =============================================================================================
+# Host side: layout, stage launchers, the dAqk schedule seam, pkda_bwd
+# =============================================================================================
+def _layout(B, T, cu_seqlens, device):
+    from .reference import make_layout
+    lay = make_layout(B, T, cu_seqlens, device)
+    bnd = torch.tensor([(s, s + n) for _, _, s, n in lay.chunks], dtype=torch.int32).reshape(-1, 2)
+    lay.chunk_bounds = bnd.to(device)  # int32 [NT, 2] (bos, eos) of every chunk, flat tokens
+    return lay
+
+
+def _new(shape, like, covered, dtype=torch.float32):
+    """Output buffers: tokens outside every sequence (varlen tail) must read 0."""
+    return (torch.empty if covered else torch.zeros)(shape, dtype=dtype, device=like.device)
+
+
+def _bk(K):
+    return min(64, triton.next_power_of_2(K))
+
+
+def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
+    """bwd.dAv. Returns (dAqk_s FP32 [B,T,H,64] or None, dv_loc FP32 [B,T,H,V])."""
+    B, T, H, V = do.shape
+    dv_loc = _new(do.shape, do, lay.covered)
+    dAqk = _new((B, T, H, BT), do, lay.covered) if write_dA else dv_loc
+    if lay.NT:
+        pkda_bwd_dAv_kernel[(lay.NT, H)](do, Delta, Aqk, dAqk, dv_loc, lay.chunk_bounds, scale,
+                                         H=H, V=V, BV=min(64, triton.next_power_of_2(V)),
+                                         DT=_dot_dtype(do.dtype), WRITE_DA=write_dA)
+    return (dAqk if write_dA else None), dv_loc
+
+
+def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
+    """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V], dS0 [N,H,K,V]) in FP32."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    dE_all = q.new_empty((lay.NT, H, K, V), dtype=torch.float32)
+    dDelta = _new(do.shape, do, lay.covered)
+    dS0 = q.new_empty((lay.N, H, K, V), dtype=torch.float32)
+    BK = triton.next_power_of_2(K)
+    BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
+    if lay.N:
+        pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
+            q, p, G, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta, dS0,
+            lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
+            DT=_dot_dtype(q.dtype), USE_DHT=dht is not None)
+    return dE_all, dDelta, dS0
+
+
+def bwd_wy_dqkg(q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do, scale, lay):
+    """bwd.wy_dqkg. Returns dict(dq, dk, dp, dG [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H],
+    dAkk [B,T,H,64]) in FP32 (inter-chunk / WY parts only)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out = dict(dq=_new(q.shape, q, lay.covered), dk=_new(q.shape, q, lay.covered),
+               dp=_new(q.shape, q, lay.covered), dG=_new(q.shape, q, lay.covered),
+               dv=_new(v.shape, v, lay.covered), dbeta=_new(beta.shape, beta, lay.covered),
+               dAkk=_new((B, T, H, BT), q, lay.covered))
+    if lay.NT:
+        pkda_bwd_wy_dqkg_kernel[(lay.NT, H)](
+            q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do,
+            out["dq"], out["dk"], out["dp"], out["dG"], out["dv"], out["dbeta"], out["dAkk"],
+            lay.chunk_bounds, scale, H=H, K=K, V=V, BK=_bk(K),
+            BV=min(64, triton.next_power_of_2(V)), DT=_dot_dtype(q.dtype))
+    return out
+
+
+def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
+    """bwd.intra (materialised): adds the intra-chunk parts onto grads' dq/dk/dp/dG in place,
+    dbeta through NK partials and pkda_bwd_beta_reduce_kernel."""
+    B, T, H, K = q.shape
+    BK = _bk(K)
+    NK = triton.cdiv(K, BK)
+    TT = B * T
+    part = _new((NK, B, T, H), q, lay.covered)
+    if lay.NT:
+        pkda_bwd_intra_kernel[(lay.NT * NC, H, NK)](
+            q, k, p, G, beta, dAqk, dAkk, grads["dq"], grads["dk"], grads["dp"], grads["dG"],
+            part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype))
+        n = TT * H
+        BLOCK = 1024
+        pkda_bwd_beta_reduce_kernel[(triton.cdiv(n, BLOCK),)](grads["dbeta"], part, n, NK=NK,
+                                                               BLOCK=BLOCK)
+    return grads
+
+
+def bwd_dg(dG, lay):
+    """dg = in-chunk reverse cumsum of dG."""
+    B, T, H, K = dG.shape
+    dg = _new(dG.shape, dG, lay.covered)
+    BK = _bk(K)
+    if lay.NT:
+        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, dg, lay.chunk_bounds,
+                                                                   H=H, K=K, BK=BK)
+    return dg
+
+
+def bwd_atk(k, a, g_atk, beta_atk, c, dp, dk, initial_A_state, dat, x, eps, lay):
+    """bwd.atk: finishes dk in place; returns dict(dg_atk, dbeta_atk, dc [H], da0 [N,H,K])."""
+    B, T, H, K = k.shape
+    dg_atk = _new(g_atk.shape, k, lay.covered)
+    dbeta_atk = _new(g_atk.shape, k, lay.covered)
+    dc_part = k.new_zeros((lay.N, H), dtype=torch.float32)
+    da0 = k.new_zeros((lay.N, H, K), dtype=torch.float32)
+    if lay.N:
+        pkda_bwd_atk_kernel[(lay.N * H,)](
+            k, a, g_atk, beta_atk, c, dp, dk,
+            initial_A_state if initial_A_state is not None else da0,
+            dat if dat is not None else da0, dg_atk, dbeta_atk, dc_part, da0, lay.cu,
+            math.log(x), eps, H=H, K=K, BK=triton.next_power_of_2(K),
+            USE_A0=initial_A_state is not None, USE_DAT=dat is not None)
+    return dict(dg_atk=dg_atk, dbeta_atk=dbeta_atk, dc=dc_part.sum(0), da0=da0)
+
+
+RECOMPUTE_KEYS = ("a", "p", "G", "Aqk", "Tinv", "W", "U", "h", "Delta")
+
+
+def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_state,
+                  initial_A_state, lay, saved=None):
+    """bwd.recompute: a, p, G (fwd.atk), Aqk, Tinv, W, U (fwd.intra), h, Delta (fwd.h), with
+    the forward's own Triton stage launchers. Tensors present in `saved` are reused."""
+    if saved is not None and all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
+        return {n: saved[n] for n in RECOMPUTE_KEYS}
+    from . import fwd
+    atk = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps)
+    it = fwd.fwd_intra(q, k, v, atk["p"], atk["G"], beta, scale, lay)
+    hs = fwd.fwd_h(it["W"], it["U"], atk["p"], atk["G"], lay, initial_state)
+    return dict(a=atk["a"], p=atk["p"], G=atk["G"], Aqk=it["Aqk"], Tinv=it["Tinv"], W=it["W"],
+                U=it["U"], h=hs["h"], Delta=hs["Delta"])
+
+
+# ---------------------------------------------------------------------------- the dAqk seam
+ONCHIP_CAPABILITIES = {(9, 0)}
+
+
+def daqk_schedule(device, dtype, K, V, env=None) -> str:
+    """Which schedule of bwd.dAv + bwd.intra runs: "materialised" (default) or "onchip".
+    On only with PKDA_DAQK_ONCHIP=1 AND the guard: a CUDA device whose capability is in
+    ONCHIP_CAPABILITIES with fp16/bf16 inputs, or the Triton interpreter (fp32 allowed for
+    tests); and K, V <= 128."""
+    env = os.environ if env is None else env
+    if env.get("PKDA_DAQK_ONCHIP", "0") != "1":
+        return "materialised"
+    if K > 128 or V > 128:
+        return "materialised"
+    device = torch.device(device)
+    interp = env.get("TRITON_INTERPRET", "0") == "1"
+    if interp:
+        ok_dtype = dtype in (torch.float16, torch.bfloat16, torch.float32)
+        return "onchip" if ok_dtype else "materialised"
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "materialised"
+    cap = torch.cuda.get_device_capability(device.index if device.index is not None else 0)
+    return "onchip" if tuple(cap) in ONCHIP_CAPABILITIES else "materialised"
+
+
+def _dav_materialised(ctx):
+    ctx["dAqk"], dv_loc = bwd_dAv(ctx["do"], ctx["Delta"], ctx["Aqk"], ctx["scale"], ctx["lay"])
+    return dv_loc
+
+
+def _intra_materialised(ctx, grads):
+    return bwd_intra(ctx["q"], ctx["k"], ctx["p"], ctx["G"], ctx["beta"], ctx["dAqk"],
+                     grads["dAkk"], grads, ctx["lay"])
+
+
+def _dAv_and_intra(schedule):
+    """THE seam: (producer, consumer) of the dAqk schedule. producer(ctx) -> dv_loc (and
+    whatever it hands the consumer in ctx); consumer(ctx, grads) adds the intra-chunk
+    dq/dk/dp/dG in place and finishes grads["dbeta"]."""
+    if schedule == "materialised":
+        return _dav_materialised, _intra_materialised
+    if schedule == "onchip":
+        return _dav_onchip, _intra_onchip
+    raise ValueError(schedule)
+
+
+def _flatc(t):
+    return None if t is None else t.contiguous()
+
+
+def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
+             initial_state, initial_A_state, cu_seqlens, do, dht, dat, saved=None,
+             schedule=None):
+    """See the module docstring. `schedule` overrides daqk_schedule (tests)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    q, k, v, g, g_atk, beta_atk, beta, do = map(_flatc, (q, k, v, g, g_atk, beta_atk, beta, do))
+    dht, dat = _flatc(dht), _flatc(dat)
+    S0 = None if initial_state is None else initial_state.float().contiguous()
+    a0 = None if initial_A_state is None else initial_A_state.float().contiguous()
+    if torch.is_tensor(log_atk_scale):
+        c = log_atk_scale.float().reshape(H).contiguous()
+    else:
+        c = torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=q.device)
+    lay = _layout(B, T, cu_seqlens, q.device)
+    if schedule is None:
+        schedule = daqk_schedule(q.device, q.dtype, K, V)
+    produce, consume = _dAv_and_intra(schedule)
+
+    with nvtx.annotate("pkda.bwd.recompute"):
+        rc = bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, S0, a0, lay, saved)
+    ctx = dict(rc, q=q, k=k, beta=beta, do=do, scale=scale, lay=lay)
+    with nvtx.annotate("pkda.bwd.dAv"):
+        dv_loc = produce(ctx)
+    with nvtx.annotate("pkda.bwd.dhu"):
+        dE_all, dDelta, dS0 = bwd_dhu(q, rc["p"], rc["G"], rc["W"], do, dv_loc, dht, scale, lay)
+    with nvtx.annotate("pkda.bwd.wy_dqkg"):
+        grads = bwd_wy_dqkg(q, k, v, rc["p"], rc["G"], beta, rc["Tinv"], rc["h"], dE_all,
+                            rc["Delta"], dDelta, do, scale, lay)
+    with nvtx.annotate("pkda.bwd.intra"):
+        grads = consume(ctx, grads)
+        dg = bwd_dg(grads["dG"], lay)
+    with nvtx.annotate("pkda.bwd.atk"):
+        at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
+                     lay)
+    return dict(q=grads["dq"], k=grads["dk"], v=grads["dv"], g=dg, g_atk=at["dg_atk"],
+                beta_atk=at["dbeta_atk"], beta=grads["dbeta"], log_atk_scale=at["dc"],
+                initial_state=dS0 if initial_state is not None else None,
+                initial_A_state=at["da0"] if initial_A_state is not None else None)
+
+
+# placeholders until the on-chip schedule lands (kept explicit so the seam is complete)
+def _dav_onchip(ctx):
+    raise NotImplementedError("on-chip dAqk schedule not implemented yet")
+
+
+def _intra_onchip(ctx, grads):
+    raise NotImplementedError("on-chip dAqk schedule not implemented yet")

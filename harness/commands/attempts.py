@@ -1,0 +1,42 @@
+"""`harness attempts EXP`: the attempt log as a table, and the experiment's state (OPEN/STOPPED/TERMINAL_NO_GO)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness.spec import load_experiment
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("attempts", help="print the attempt log and the stop state of an experiment")
+    p.add_argument("experiment", help="path to experiments/<name>.yaml")
+    p.add_argument("--profile-root", type=Path, default=None, help="default: <harness checkout>/profile")
+    p.add_argument("--reopen", metavar="REASON", default=None,
+                   help="log an explicit reopen (a new window of max_attempts) with this reason")
+    p.add_argument("--json", action="store_true", help="print the log and state as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import json
+
+    from harness import attempts
+    from harness.cli import UsageError
+
+    loaded = load_experiment(args.experiment)
+    exp = loaded.exp
+    profile_root = args.profile_root or Path(__file__).resolve().parents[2] / "profile"
+    if args.reopen is not None:
+        try:
+            entry = attempts.reopen(profile_root, exp.name, args.reopen, max_attempts=exp.max_attempts)
+        except attempts.AttemptError as e:
+            raise UsageError(str(e)) from e
+        print(f"reopened {exp.name}: {entry['reason']}")
+    entries = attempts.read_log(profile_root, exp.name)
+    state = attempts.attempt_state(profile_root, exp)
+    if args.json:
+        print(json.dumps({"experiment": exp.name, "state": state, "log": entries}, indent=2, sort_keys=True))
+    elif not entries:
+        print(f"{exp.name}: no attempts logged\nstate: {state.get('state')} - {state.get('reason')}")
+    else:
+        print(attempts.format_table(entries, state))
+    return 0

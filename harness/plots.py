@@ -30,9 +30,18 @@ def _label(text: str) -> str:
     return str(text).replace("$", r"\$")
 
 
+def _margins(fig, labels: list[str] = (), right: float = 0.2, top: float = 0.3) -> None:
+    """Fixed margins (inches) instead of bbox_inches='tight', which draws every figure twice;
+    the left margin grows with the longest y tick label."""
+    w, h = fig.get_size_inches()
+    longest = max((len(str(s)) for s in labels), default=6)
+    left = min(0.45 * w, 0.35 + 0.065 * max(longest, 6))
+    fig.subplots_adjust(left=left / w, right=1 - right / w, bottom=0.5 / h, top=1 - top / h)
+
+
 def _to_svg(fig, name: str) -> str:
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None, "Creator": None})
+    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
     plt.close(fig)
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]  # drop the XML declaration and DOCTYPE: this is inline SVG
@@ -53,7 +62,7 @@ def speedup_forest(items: list[dict], thresholds: list[dict], name: str = "fores
     if not items:
         return None
     with plt.rc_context(_RC):
-        fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.32 * len(items)))
+        fig, ax = plt.subplots(figsize=(7.5, 1.1 + 0.32 * len(items)))
         ys = list(range(len(items)))[::-1]
         for y, it in zip(ys, items):
             lo = it.get("lo", it["point"]) if it.get("lo") is not None else it["point"]
@@ -64,13 +73,15 @@ def speedup_forest(items: list[dict], thresholds: list[dict], name: str = "fores
         ax.set_yticks(ys)
         ax.set_yticklabels([_label(i["label"]) for i in items])
         ax.axvline(1.0, color="#999999", lw=1, ls="-")
-        for th in thresholds:
+        for k, th in enumerate(sorted(thresholds, key=lambda t: t["value"])):
             ax.axvline(th["value"], color="#c0392b", lw=1, ls="--")
-            ax.annotate(_label(f"{th['label']} {th['value']:g}x"), xy=(th["value"], 1.0), xycoords=("data", "axes fraction"),
-                        xytext=(2, 2), textcoords="offset points", fontsize=7, color="#c0392b", rotation=90,
-                        va="top", ha="left")
+            # labels above the axes, staggered so neighbouring thresholds stay readable
+            ax.annotate(_label(f"{th['label']} {th['value']:.3g}x"), xy=(th["value"], 1.0),
+                        xycoords=("data", "axes fraction"), xytext=(0, 3 + 9 * (k % 2)), textcoords="offset points",
+                        fontsize=7, color="#c0392b", ha="center", va="bottom")
         ax.set_xlabel("speedup = baseline median / candidate median (x), 95% CI over blocks")
         ax.set_ylim(-0.7, len(items) - 0.3)
+        _margins(fig, [i["label"] for i in items], top=0.45 if thresholds else 0.2)
         return _to_svg(fig, name)
 
 
@@ -95,6 +106,7 @@ def block_series(points: list[dict], title: str, name: str) -> str | None:
         ax.set_ylabel("block median (ms)")
         ax.set_title(_label(title), fontsize=9)
         ax.legend(fontsize=7, frameon=False)
+        _margins(fig)
         return _to_svg(fig, name)
 
 
@@ -104,15 +116,16 @@ def distributions(samples: dict[str, list[float]], title: str, name: str) -> str
     if not sides:
         return None
     with plt.rc_context(_RC):
-        fig, ax = plt.subplots(figsize=(5.2, 0.8 + 0.6 * len(sides)))
+        fig, ax = plt.subplots(figsize=(5.2, 1.2 + 0.6 * len(sides)))
         data = [samples[s] for s in sides]
-        ax.boxplot(data, vert=False, widths=0.5, showfliers=False, tick_labels=sides)
+        ax.boxplot(data, orientation="horizontal", widths=0.5, showfliers=False, tick_labels=sides)
         for y, s in enumerate(sides, start=1):
             xs = samples[s]
             jitter = [((i * 0.6180339887) % 1 - 0.5) * 0.3 for i in range(len(xs))]
             ax.scatter(xs, [y + j for j in jitter], s=6, alpha=0.5, color=SIDE_COLOURS[s])
         ax.set_xlabel("time per call (ms)")
         ax.set_title(_label(title), fontsize=9)
+        _margins(fig, sides)
         return _to_svg(fig, name)
 
 
@@ -127,7 +140,7 @@ def stage_shares(shares: dict[str, dict[str, float]], title: str, name: str = "s
         stages += [s for s in shares[b] if s not in stages]
     cmap = plt.get_cmap("tab20")
     with plt.rc_context(_RC):
-        fig, ax = plt.subplots(figsize=(7.5, 1.0 + 0.45 * len(bars)))
+        fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.45 * len(bars)))
         for yi, bar in enumerate(bars):
             left = 0.0
             for si, stage in enumerate(stages):
@@ -149,4 +162,5 @@ def stage_shares(shares: dict[str, dict[str, float]], title: str, name: str = "s
             handles.append(plt.Rectangle((0, 0), 1, 1, color=cmap(si % 20)))
             labels.append(_label(stage))
         ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _margins(fig, bars, right=0.3 + 0.065 * max(len(x) for x in labels))
         return _to_svg(fig, name)

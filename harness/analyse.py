@@ -1,0 +1,344 @@
+"""Analyse one run directory into report.json: the single source the HTML report is rendered from.
+
+Reads only records on disk (run.json, samples.jsonl, the optional phase records and the
+experiment's attempt log), so `harness report` can re-render any run without a GPU. Statistics
+come from harness/stats.py and decisions from harness/gates.py with the experiment's seed, so the
+intervals shown per row are the very numbers the gates judged.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from datetime import datetime, timezone
+from pathlib import Path
+
+from harness import gates as G
+from harness import stats
+from harness.records import Block, completed_blocks, read_jsonl
+from harness.spec import GeomeanGate, LoadedExperiment, Shape
+
+SCHEMA_VERSION = 1
+LOW_CLOCK_FRACTION = 0.75  # a block whose SM clock fell below this share of boost is flagged
+NO_GPU_VERDICT = ("CPU timings under Triton's interpreter are a smoke test of the pipeline, "
+                  "not a performance verdict for GPU kernels")
+PHASE_FILES = {  # record file -> the gate kind it decides (None: shown, decides nothing here)
+    "verify.json": "correctness",
+    "freeze.json": "frozen_paths",
+    "profile.json": "amdahl",
+    "ncu.json": "ncu",
+    "training.json": None,
+}
+
+
+class ReportError(Exception):
+    """The run directory lacks what a report needs (no run.json)."""
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def _clean(value):
+    """JSON-safe copy: NaN/inf become None (report.json stays strict JSON), tuples become lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _row_name(shape: str, mode: str) -> str:
+    return f"{shape}/{mode}"
+
+
+def _flat(blocks: list[list[float]]) -> list[float]:
+    return [x for b in blocks for x in b]
+
+
+def _run_shapes(loaded: LoadedExperiment, run: dict) -> list[Shape]:
+    """The shapes this run measured: the manifest's (the cpu profile's on a CPU run)."""
+    declared = (run.get("settings") or {}).get("shapes") or run.get("shapes")
+    if declared:
+        return [Shape.model_validate(s) for s in declared]
+    if run.get("cpu_mode") and loaded.exp.cpu is not None:
+        return list(loaded.exp.cpu.shapes)
+    return list(loaded.exp.shapes)
+
+
+def _experiment_dir(loaded: LoadedExperiment, run_dir: Path) -> Path | None:
+    """profile/<experiment>/ (attempts.jsonl, state.json): the nearest ancestor named after it."""
+    for parent in run_dir.resolve().parents:
+        if parent.name == loaded.exp.name:
+            return parent
+    return None
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+def _experiment_section(loaded: LoadedExperiment, run: dict) -> dict:
+    exp = loaded.exp
+    yaml_text = run.get("experiment_yaml")
+    return {
+        "name": exp.name, "description": exp.description, "file": str(loaded.path),
+        "sha256": hashlib.sha256(yaml_text.encode()).hexdigest() if yaml_text else None,
+        "dtype": exp.dtype, "modes": list(exp.modes), "order": exp.order, "seed": exp.seed,
+        "blocks_per_side": exp.blocks, "samples_per_block": exp.samples_per_block,
+        "shapes": [s.model_dump(exclude_none=True) for s in exp.shapes],
+        "stages": {k: v.model_dump() for k, v in exp.stages.items()},
+        "gates": [g.model_dump(mode="json") for g in exp.gates],
+        "frozen_paths": list(exp.frozen_paths), "max_attempts": exp.max_attempts,
+    }
+
+
+def _run_section(run: dict, run_dir: Path, blocks: list[Block]) -> dict:
+    plan = run.get("plan") or []
+    return {
+        "id": run.get("run_id") or run_dir.name, "cpu_mode": bool(run.get("cpu_mode")), "aa": bool(run.get("aa")),
+        "started": run.get("started"), "finished": run.get("finished"), "note": run.get("note") or "",
+        "run_dir": str(run_dir), "dtype": run.get("dtype"),
+        "blocks_planned": len(plan), "blocks_completed": len(blocks),
+        "blocks_failed": sum(1 for b in blocks if b.status != "ok"),
+        "plan": plan,
+    }
+
+
+def _boost_mhz(run: dict, blocks: list[Block]) -> float | None:
+    device = run.get("device") or {}
+    for key in ("boost_sm_clock_mhz", "max_sm_clock_mhz"):
+        if device.get(key):
+            return float(device[key])
+    for b in blocks:
+        for snap in (b.gpu_before, b.gpu_after):
+            if snap and snap.get("max_sm_clock_mhz"):
+                return float(snap["max_sm_clock_mhz"])
+    return None
+
+
+def _blocks_section(blocks: list[Block], boost: float | None) -> list[dict]:
+    out = []
+    for b in blocks:
+        clocks = [s.get("sm_clock_mhz") for s in (b.gpu_before, b.gpu_after) if s and s.get("sm_clock_mhz")]
+        low = bool(boost and clocks and min(clocks) < LOW_CLOCK_FRACTION * boost)
+        medians = []  # only a block that finished ok counts as data (a failed one's samples do not)
+        for (shape, mode), ms in sorted(b.samples.items()) if b.status == "ok" else ():
+            if ms:
+                s = stats.summarize(ms)
+                medians.append({"shape": shape, "mode": mode, "row": _row_name(shape, mode), "n": s.n,
+                                "median_ms": s.median})
+        out.append({
+            "index": b.index, "side": b.side, "attempt": b.attempt, "status": b.status, "error": b.error,
+            "start": b.t_start, "end": b.t_end, "host": b.host,
+            "gpu_before": b.gpu_before, "gpu_after": b.gpu_after,
+            "min_sm_clock_mhz": min(clocks) if clocks else None, "boost_sm_clock_mhz": boost,
+            "low_clock": low, "row_medians": medians, "failures": b.failures,
+        })
+    return out
+
+
+def _kernel_table(blocks: list[Block], key: tuple[str, str], side: str) -> list[dict]:
+    """Per kernel name: device time and launches per profiled call, over the side's ok blocks."""
+    totals: dict[str, list[float]] = {}
+    iters = 0
+    for b in blocks:
+        rec = b.kernels.get(key) if b.side == side and b.status == "ok" else None
+        if not rec:
+            continue
+        iters += int(rec.get("iters") or 0)
+        for name, (ms, launches) in (rec.get("kernels") or {}).items():
+            t = totals.setdefault(name, [0.0, 0])
+            t[0] += float(ms)
+            t[1] += int(launches)
+    if not iters:
+        return []
+    return sorted(({"kernel": name, "ms_per_call": ms / iters, "launches_per_call": n / iters}
+                   for name, (ms, n) in totals.items()), key=lambda k: -k["ms_per_call"])
+
+
+def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, seed: int, blocks: list[Block]) -> list[dict]:
+    rows = []
+    stage_names = sorted({st for (_, _, st) in ev.stages})
+    for shape in shapes:
+        for mode in modes:
+            r = ev.rows.get((shape.name, mode))
+            if r is None:
+                continue
+            base, cand = _flat(r.base_blocks), _flat(r.cand_blocks)
+            speedup = stats.paired_block_speedup(r.base_blocks, r.cand_blocks, seed=seed)
+            delta = None if r.base_peak is None or r.cand_peak is None else r.cand_peak - r.base_peak
+            stages = []
+            for st in stage_names:
+                pair = ev.stages.get((shape.name, mode, st))
+                if pair is None:
+                    continue
+                sb, sc = stats.summarize(_flat(pair[0])), stats.summarize(_flat(pair[1]))
+                stages.append({"stage": st, "baseline": sb.to_json(), "candidate": sc.to_json(),
+                               "speedup": stats.paired_block_speedup(pair[0], pair[1], seed=seed).to_json()})
+            rows.append({
+                "shape": shape.name, "mode": mode, "name": _row_name(shape.name, mode), "dims": r.shape_dims,
+                "baseline": stats.summarize(base).to_json(), "candidate": stats.summarize(cand).to_json(),
+                "blocks": {"baseline": len(r.base_blocks), "candidate": len(r.cand_blocks)},
+                "samples_ms": {"baseline": base, "candidate": cand},
+                "speedup": speedup.to_json(),
+                "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
+                "peak_bytes": {"baseline": r.base_peak, "candidate": r.cand_peak, "delta": delta,
+                               "delta_fraction": delta / r.base_peak if delta is not None and r.base_peak else None},
+                "stages": stages,
+                "kernels": {side: _kernel_table(blocks, (shape.name, mode), side) for side in ("baseline", "candidate")},
+                "failures": r.failures,
+            })
+    return rows
+
+
+def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evidence, seed: int) -> list[dict]:
+    """Each declared geomean gate's set of rows, then every measured row per mode."""
+    sets: list[tuple[str, str, list[str]]] = []
+    for g in loaded.exp.gates:
+        if isinstance(g, GeomeanGate):
+            sets.append((g.name, g.mode, list(g.rows)))
+    for mode in loaded.exp.modes:
+        sets.append((f"all rows ({mode})", mode, [s.name for s in shapes]))
+    out = []
+    for label, mode, names in sets:
+        pairs = [(ev.rows[(n, mode)].base_blocks, ev.rows[(n, mode)].cand_blocks) for n in names
+                 if (n, mode) in ev.rows]
+        if len(pairs) != len(names):
+            iv = stats.Interval(None, None, None, 0.95, 0, "none", note="a row of this set was not measured")
+        else:
+            iv = stats.geomean_speedup(pairs, seed=seed)
+        out.append({"name": label, "mode": mode, "rows": [_row_name(n, mode) for n in names], **iv.to_json(),
+                    "declared": not label.startswith("all rows")})
+    return out
+
+
+def _phases(run_dir: Path) -> tuple[dict[str, dict | None], dict[str, G.PhaseVerdict]]:
+    records, verdicts = {}, {}
+    for file, kind in PHASE_FILES.items():
+        rec = _read_json(run_dir / file)
+        records[file.removesuffix(".json")] = rec
+        if rec is not None and kind is not None and isinstance(rec.get("gate"), dict):
+            verdicts[kind] = G.PhaseVerdict.from_json(rec["gate"])
+    return records, verdicts
+
+
+def _training_blocks(record: dict | None) -> dict:
+    """training.json rows {row: {baseline: [[ms...] per block], candidate: [...]}} -> gates' form."""
+    if not record:
+        return {}
+    out = {}
+    for name, sides in (record.get("rows") or {}).items():
+        if isinstance(sides, dict) and "baseline" in sides and "candidate" in sides:
+            out[name] = (sides["baseline"], sides["candidate"])
+    return out
+
+
+def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state: dict, run: dict,
+                     given: str | None) -> str | None:
+    """Why this run is a NO-GO whatever its gates say: given by the caller, a red baseline in the
+    freeze record, a terminal state for this baseline SHA, or a verdict capped by the attempt limit
+    when the run was logged (so a re-render agrees with the original)."""
+    if given:
+        return given
+    freeze = phases.get("freeze") or {}
+    if freeze.get("terminal"):
+        return f"red baseline: {freeze.get('reason') or 'the baseline failed its own oracle'}"
+    base_sha = ((run.get("revisions") or {}).get("baseline") or {}).get("sha")
+    if state.get("state") == "TERMINAL_NO_GO":
+        term_sha = (state.get("terminal") or {}).get("baseline_sha")
+        if term_sha is None or base_sha is None or term_sha == base_sha:
+            return f"terminal NO-GO: {state.get('reason')}"
+    for entry in attempts:
+        if entry.get("type") == "attempt" and entry.get("run_id") == run.get("run_id") and entry.get("capped"):
+            return (f"measured {entry.get('measured_verdict')}, capped to {entry.get('verdict')}: the experiment "
+                    f"had used its attempts ({state.get('reason') or 'see the attempt history'})")
+    return None
+
+
+def _provenance(run: dict, run_dir: Path) -> dict:
+    revs = run.get("revisions") or {}
+    versions = run.get("versions") or {}
+    device = run.get("device") or {}
+    bench_base = revs.get("bench_base") or ({"sha": versions.get("harness_sha")} if versions.get("harness_sha") else None)
+    return {
+        "repo": revs.get("repo"), "baseline": revs.get("baseline"), "candidate": revs.get("candidate"),
+        "bench_base": bench_base, "commands": run.get("commands") or [], "host": run.get("host") or device.get("host"),
+        "device": device, "versions": versions, "timing": run.get("timing") or {}, "dtype": run.get("dtype"),
+        "slurm": run.get("slurm"), "run_dir": str(run_dir),
+    }
+
+
+def _aa_noise(run: dict, rows: list[dict]) -> float | None:
+    """On an A/A run (baseline on both sides) the noise floor is the widest row's half-width."""
+    if not run.get("aa"):
+        return None
+    widths = [(r["speedup"]["hi"] - r["speedup"]["lo"]) / 2 for r in rows
+              if r["speedup"].get("lo") is not None and r["speedup"].get("hi") is not None]
+    return max(widths) if widths else None
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: str | None = None) -> dict:
+    """report.json for one run directory (see module docstring). `terminal` names a reason the
+    run stopped before candidate work (red baseline, failed pre-gate); it forces NO-GO."""
+    loaded, run_dir = loaded_experiment, Path(run_dir)
+    run = _read_json(run_dir / "run.json")
+    if run is None:
+        raise ReportError(f"{run_dir} has no run.json: not a run directory")
+    exp = loaded.exp
+    blocks = completed_blocks(run_dir / "samples.jsonl")
+    shapes = _run_shapes(loaded, run)
+    phase_records, phase_verdicts = _phases(run_dir)
+    exp_dir = _experiment_dir(loaded, run_dir)
+    attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
+    state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
+    aa_file = _read_json(run_dir / "aa.json") or {}
+    ev = G.evidence_from_blocks(exp, blocks, phases=phase_verdicts,
+                                training=_training_blocks(phase_records.get("training")),
+                                aa_noise=aa_file.get("noise_floor"), shapes=shapes)
+    results = G.evaluate_gates(exp, ev)
+    terminal = _terminal_reason(phase_records, attempts, state, run, terminal)
+    status = G.verdict(results, terminal=terminal)
+    deciding_status = "FAIL" if any(r.status == "FAIL" for r in results) else "INCONCLUSIVE"
+    deciding = [] if status == "GO" else [
+        {"name": r.name, "kind": r.kind, "status": r.status, "reason": r.reason}
+        for r in results if r.status == deciding_status]
+    rows = _rows_section(shapes, list(exp.modes), ev, exp.seed, blocks)
+    run_section = _run_section(run, run_dir, blocks)
+    report = {
+        "schema_version": SCHEMA_VERSION,
+        "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "units": {"time": "ms", "memory": "bytes", "speedup": "baseline median / candidate median"},
+        "experiment": _experiment_section(loaded, run),
+        "run": run_section,
+        "verdict": status,
+        "deciding_gates": deciding,
+        "terminal": terminal,
+        "no_gpu_verdict": NO_GPU_VERDICT if run_section["cpu_mode"] else None,
+        "gates": [r.to_json() for r in results],
+        "rows": rows,
+        "geomeans": _geomeans_section(loaded, shapes, ev, exp.seed),
+        "aa_noise_floor": ev.aa_noise if ev.aa_noise is not None else _aa_noise(run, rows),
+        "blocks": _blocks_section(blocks, _boost_mhz(run, blocks)),
+        "failures": ev.failures,
+        "phases": {**phase_records, "attempts": attempts, "experiment_state": state or None},
+        "provenance": _provenance(run, run_dir),
+    }
+    return _clean(report)
+
+
+def write_report(report: dict, out_dir: Path) -> Path:
+    """Write report.json and the index.html rendered from it alone; returns the HTML path."""
+    from harness.report import render_html
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=1, sort_keys=True, allow_nan=False)
+    (out_dir / "report.json").write_text(text + "\n")
+    html_path = out_dir / "index.html"
+    html_path.write_text(render_html(json.loads(text)))
+    return html_path

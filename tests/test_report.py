@@ -1,0 +1,226 @@
+"""report.json from a real run directory, and the HTML rendered from it (harness/analyse.py,
+harness/report.py). The run directory is written the way the worker writes it: run.json plus
+samples.jsonl through records.append_jsonl."""
+from __future__ import annotations
+
+import json
+import random
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from harness import analyse, report
+from harness.bench import block_plan
+from harness.records import append_jsonl
+from harness.spec import load_experiment
+
+XSS = "<script>alert(1)</script>"
+BRANCH = "feat/x<script>window.__pwned=1<"  # git allows < > ( ) = in ref names
+KERNEL = "chunk_bwd_<img src=x onerror=window.__pwned=2>_kernel"
+SUBJECT = 'bwd: fuse dAqk "on chip" & drop <partials>'
+
+EXPERIMENT = textwrap.dedent("""\
+    name: demo-report
+    description: "Candidate halves the time. {xss}"
+    target: {{op: "kernels.pkda:pkda", inputs: "inputs.py:make_inputs"}}
+    baseline: {{ref: "0123456789abcdef0123456789abcdef01234567"}}
+    candidate: {{ref: "feat/fast"}}
+    modes: [fwd, fwdbwd]
+    shapes:
+      - {{name: S1, B: 1, T: 256, H: 2, K: 32, V: 32}}
+      - {{name: S2, B: 2, T: 128, H: 2, K: 32, V: 32}}
+    blocks: 4
+    samples_per_block: 8
+    stages:
+      bwd.intra: {{baseline: ["chunk_bwd"], candidate: ["chunk_bwd"]}}
+    gates:
+      - {{name: s1-speedup, kind: speedup, row: S1, mode: fwdbwd, threshold: 1.5}}
+      - {{name: geomean-fwdbwd, kind: geomean, rows: [S1, S2], mode: fwdbwd, threshold: 1.2}}
+      - {{name: peak-down, kind: peak_alloc, rows: [S1], mode: fwdbwd, min_reduction_bytes: "1024"}}
+      - {{name: frozen, kind: frozen_paths}}
+    {extra}""")
+IMPOSSIBLE_GATE = "  - {name: s1-triple, kind: speedup, row: S1, mode: fwdbwd, threshold: 3.0}\n"
+
+BASE_MS = {("S1", "fwd"): 2.0, ("S1", "fwdbwd"): 6.0, ("S2", "fwd"): 1.0, ("S2", "fwdbwd"): 3.0}
+FAILED_BLOCK = 5  # a candidate block in the ABBA plan of 4 blocks a side
+ROW_FAILURE = {"block": 2, "shape": "S2", "mode": "fwd", "error": "RuntimeError: out of resources: shared memory"}
+
+
+def build_run_dir(tmp_path: Path, impossible_gate: bool = True) -> tuple[object, Path]:
+    """An experiment file and one finished run of it: candidate 2x faster than baseline, one failed
+    block, one failed row inside an ok block. Returns (loaded experiment, run dir)."""
+    (tmp_path / "inputs.py").write_text("def make_inputs(shape, mode, dtype, device, seed):\n    return {}\n")
+    exp_file = tmp_path / "demo-report.yaml"
+    exp_file.write_text(EXPERIMENT.format(xss=XSS, extra=IMPOSSIBLE_GATE if impossible_gate else ""))
+    loaded = load_experiment(exp_file)
+    exp = loaded.exp
+    run_dir = tmp_path / "profile" / exp.name / "runs" / "20260101T000000Z-abcd"
+    plan = block_plan(exp.blocks, exp.order, exp.seed)
+    run = {
+        "run_id": run_dir.name, "experiment": exp.name, "experiment_file": str(exp_file),
+        "experiment_yaml": exp_file.read_text(), "cpu_mode": True, "aa": False,
+        "device": {"kind": "cpu", "name": "x86_64", "host": "testhost", "boost_sm_clock_mhz": 1980},
+        "versions": {"python": "3.11.7", "torch": "2.13.0", "triton": "3.7.1", "cuda": None,
+                     "harness_sha": "f" * 40},
+        "host": "testhost", "commands": ["harness run demo-report.yaml"],
+        "started": "2026-01-01T00:00:00+00:00", "finished": "2026-01-01T00:05:00+00:00",
+        "revisions": {"repo": str(tmp_path),
+                      "baseline": {"side": "baseline", "ref": exp.baseline.ref, "sha": exp.baseline.ref, "branch": None,
+                                   "worktree": "/wt/b", "subject": "baseline: materialised dAqk"},
+                      "candidate": {"side": "candidate", "ref": "feat/fast", "sha": "89abcdef" * 5, "branch": BRANCH,
+                                    "worktree": "/wt/c", "subject": SUBJECT}},
+        "plan": [{"block": i, "side": s} for i, s in enumerate(plan)],
+        "timing": {"method": "wall", "l2_flush": False, "samples_per_block": exp.samples_per_block, "warmup": 1},
+        "dtype": "float32", "slurm": None,
+    }
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps(run))
+    samples = run_dir / "samples.jsonl"
+    rng = random.Random(7)
+    for index, side in enumerate(plan):
+        base = {"block": index, "side": side, "attempt": f"a{index}"}
+        gpu = {"sm_clock_mhz": 1980 if index != 3 else 1200, "max_sm_clock_mhz": 1980, "temperature_c": 40 + index,
+               "throttle_reasons": ["sw_thermal_slowdown"] if index == 3 else []}
+        append_jsonl(samples, {"type": "block_start", **base, "t": f"2026-01-01T00:0{index}:00+00:00",
+                               "host": "testhost", "pid": 100 + index, "gpu": gpu})
+        if index == FAILED_BLOCK:
+            append_jsonl(samples, {"type": "sample", **base, "shape": "S1", "mode": "fwd", "i": 0, "ms": 99.0})
+            append_jsonl(samples, {"type": "block_end", **base, "t": None, "status": "failed", "gpu": None,
+                                   "error": "worker exited -11: Segmentation fault"})
+            continue
+        drift = 1 + 0.01 * index
+        for (shape, mode), ms in BASE_MS.items():
+            if index == ROW_FAILURE["block"] and (shape, mode) == (ROW_FAILURE["shape"], ROW_FAILURE["mode"]):
+                append_jsonl(samples, {"type": "failure", **base, "shape": shape, "mode": mode,
+                                       "error": ROW_FAILURE["error"]})
+                continue
+            mean = ms * drift * (1.0 if side == "baseline" else 0.5)
+            for i in range(exp.samples_per_block):
+                append_jsonl(samples, {"type": "sample", **base, "shape": shape, "mode": mode, "i": i,
+                                       "ms": mean * (1 + rng.gauss(0, 0.01))})
+            peak = 1_000_000 if side == "baseline" else 995_904  # 4096 B less
+            append_jsonl(samples, {"type": "peak", **base, "shape": shape, "mode": mode, "bytes": peak})
+            if mode == "fwdbwd":
+                for i in range(2):
+                    append_jsonl(samples, {"type": "stage", **base, "shape": shape, "mode": mode, "i": i,
+                                           "stage": "bwd.intra", "ms": mean * 0.3})
+                append_jsonl(samples, {"type": "kernels", **base, "shape": shape, "mode": mode, "iters": 2,
+                                       "kernels": {KERNEL: [mean * 0.6, 2], "chunk_fwd_o": [mean * 0.4, 2]}})
+        append_jsonl(samples, {"type": "block_end", **base, "t": f"2026-01-01T00:0{index}:30+00:00", "status": "ok",
+                               "error": None, "gpu": gpu})
+    # a crashed attempt of block 0 before the one that finished: never read as data
+    append_jsonl(samples, {"type": "block_start", "block": 0, "side": "baseline", "attempt": "dead", "t": None,
+                           "host": "testhost", "pid": 1, "gpu": None})
+    append_jsonl(samples, {"type": "sample", "block": 0, "side": "baseline", "attempt": "dead", "shape": "S1",
+                           "mode": "fwd", "i": 0, "ms": 1000.0})
+    return loaded, run_dir
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    loaded, run_dir = build_run_dir(tmp)
+    data = analyse.build_report(loaded, run_dir)
+    html_path = analyse.write_report(data, tmp / "reports" / loaded.exp.name / run_dir.name)
+    return data, html_path
+
+
+def _gate(data, name):
+    return next(g for g in data["gates"] if g["name"] == name)
+
+
+def test_report_json_numbers(built):
+    data, html_path = built
+    on_disk = json.loads((html_path.parent / "report.json").read_text())
+    assert on_disk == data
+    assert data["schema_version"] == analyse.SCHEMA_VERSION
+    assert data["verdict"] == "NO-GO"
+    # deciding gates are the FAIL ones only (frozen_paths is INCONCLUSIVE without freeze.json)
+    assert [g["name"] for g in data["deciding_gates"]] == ["s1-triple"]
+    assert _gate(data, "frozen")["status"] == "INCONCLUSIVE"
+    assert data["terminal"] is None
+    assert data["no_gpu_verdict"] == analyse.NO_GPU_VERDICT
+
+    rows = {r["name"]: r for r in data["rows"]}
+    s1 = rows["S1/fwdbwd"]
+    # baseline ~6 ms (x drift), candidate half of it; the dead attempt's 1000 ms never counts
+    assert 5.9 < s1["baseline"]["median"] < 6.3
+    assert 2.95 < s1["candidate"]["median"] < 3.15
+    assert s1["baseline"]["n"] == 4 * 8 and s1["candidate"]["n"] == 3 * 8  # one candidate block failed
+    assert set(s1["baseline"]) >= {"n", "median", "mean", "std", "min", "p10", "p90", "quantile_method"}
+    assert 1.9 < s1["speedup"]["point"] < 2.1 and 1.8 < s1["speedup"]["lo"] <= s1["speedup"]["hi"] < 2.2
+    assert s1["peak_bytes"] == {"baseline": 1_000_000, "candidate": 995_904, "delta": -4096,
+                                "delta_fraction": pytest.approx(-0.004096)}
+    assert s1["stages"][0]["stage"] == "bwd.intra" and s1["stages"][0]["speedup"]["point"] == pytest.approx(2.0, rel=0.05)
+    assert s1["kernels"]["baseline"][0]["kernel"] == KERNEL
+    assert 0 <= s1["mann_whitney_p"] < 0.01
+    # the gate judged the very interval the row shows
+    assert _gate(data, "s1-speedup")["numbers"]["lo"] == s1["speedup"]["lo"]
+
+    failed = [b for b in data["blocks"] if b["status"] == "failed"]
+    assert [b["index"] for b in failed] == [FAILED_BLOCK] and "Segmentation fault" in failed[0]["error"]
+    assert any(f["block"] == FAILED_BLOCK and "Segmentation" in f["error"] for f in data["failures"])
+    assert any(f.get("shape") == "S2" and f.get("mode") == "fwd" for f in data["failures"])
+    assert [b["index"] for b in data["blocks"] if b["low_clock"]] == [3]
+    assert {g["name"] for g in data["geomeans"]} >= {"geomean-fwdbwd", "all rows (fwd)", "all rows (fwdbwd)"}
+    prov = data["provenance"]
+    assert prov["candidate"]["branch"] == BRANCH and prov["bench_base"] == {"sha": "f" * 40}
+    assert data["experiment"]["description"].endswith(XSS)
+
+
+def test_html_escapes_and_is_self_contained(built):
+    data, html_path = built
+    html = html_path.read_text()
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert XSS not in html
+    assert BRANCH not in html and "feat/x&lt;script&gt;window.__pwned=1&lt;" in html
+    assert "<img src=x" not in html and "&lt;img src=x onerror" in html
+    assert "&lt;partials&gt;" in html
+    # no external resources: every src/href is a fragment, a relative path or absent
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
+    assert not re.search(r"@import|url\(\s*['\"]?https?:", html, re.I)
+    # exactly one script: the table sorter
+    assert html.count("<script") == 1
+    assert f'id="verdict-text">{data["verdict"]}<' in html
+    assert "No GPU verdict" in html
+    for anchor in ("gates", "rows", "speedup", "forest", "series", "peak", "stages", "failures", "frozen", "profile",
+                   "ncu", "provenance", "gate-s1-triple", "row-S1-fwdbwd"):
+        assert f'id="{anchor}"' in html, anchor
+    assert html.index('id="verdict"') < html.index('id="gates"') < html.index('id="rows"') < html.index('id="forest"')
+    assert html.index('id="forest"') < html.index('id="series"') < html.index('id="peak"') < html.index('id="provenance"')
+    assert html.count('<svg class="plot"') >= 1 + 2 * len(data["rows"])
+    assert " ms<" in html and " B (" in html  # numbers carry units
+
+
+def test_verdict_inconclusive_names_inconclusive_gates(tmp_path):
+    loaded, run_dir = build_run_dir(tmp_path, impossible_gate=False)
+    data = analyse.build_report(loaded, run_dir)
+    assert data["verdict"] == "INCONCLUSIVE"
+    # no gate fails: the deciding gates are the INCONCLUSIVE ones (frozen has no record; a failed
+    # block keeps the timing gates from passing)
+    assert "frozen" in [g["name"] for g in data["deciding_gates"]]
+    assert {g["status"] for g in data["deciding_gates"]} == {"INCONCLUSIVE"}
+    assert len(data["deciding_gates"]) == sum(g["status"] == "INCONCLUSIVE" for g in data["gates"])
+    html = report.render_html(data)
+    assert 'class="banner inconclusive"' in html
+
+
+def test_index_lists_runs_newest_first(built, tmp_path):
+    data, html_path = built
+    reports = tmp_path / "reports"
+    older = json.loads(json.dumps(data))
+    older["run"]["id"] = "20250101T000000Z-0000"
+    older["run"]["started"] = "2025-01-01T00:00:00+00:00"
+    older["verdict"] = "GO"
+    older["phases"]["attempts"] = [{"attempt": 1, "verdict": "GO", "note": XSS}]
+    for rep in (data, older):
+        d = reports / rep["experiment"]["name"] / rep["run"]["id"]
+        d.mkdir(parents=True)
+        (d / "report.json").write_text(json.dumps(rep))
+    index = report.render_index(reports).read_text()
+    assert index.index(data["run"]["id"]) < index.index(older["run"]["id"])
+    assert f'href="demo-report/{data["run"]["id"]}/index.html"' in index
+    assert "&lt;script&gt;" in index and XSS not in index
+    assert "Attempt history" in index

@@ -1,0 +1,633 @@
+"""Triton forward of preconditioned KDA (PKDA): one kernel + one launcher per stage.
+
+Chunk size 64 (16-token sub-chunks inside fwd.intra), FP32 accumulation, bf16 / fp16 / fp32
+inputs, K and V each 64 or 128 (K != V allowed), T of any length, dense and varlen. The
+math is the design note's chunk form; `reference.py` holds the same stages in PyTorch.
+
+Stage launchers (stable signatures: the backward calls them to recompute). `layout` is a
+`reference.ChunkLayout` from `make_layout(B, T, cu_seqlens, device)` (built on the host
+once per call). Dense input is handled as packed sequences 0, T, 2T, ... of the flattened
+token axis, so every kernel has one code path.
+
+    l2norm_fwd(x) -> (y [same shape, x.dtype], rstd [x.shape[:-1]] fp32)
+    l2norm_bwd(y, rstd, dy) -> dx [y.shape, dy.dtype]               (stage bwd.l2norm)
+    fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state=None, x=1.5,
+            eps=1e-6, output_final_state=False, store_a=False)
+        -> (p [B,T,H,K] k.dtype, G [B,T,H,K] fp32, a [B,T,H,K] fp32 | None,
+            a_final [N,H,K] fp32 | None)
+        k already L2-normalised; G = chunk-local inclusive cumsum of g.
+    fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False)
+        -> (Aqk [B,T,H,64] fp32, Tinv [B,T,H,64] fp32, W [B,T,H,K] k.dtype,
+            U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
+        Aqk inclusive and scaled; Tinv = (I + Akk)^-1; Akk strict and beta-scaled.
+    fwd_h(W, U, p, G, layout, initial_state=None, output_final_state=False, store_h=True)
+        -> (h [NT,H,K,V] k.dtype | None, Delta [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None)
+    fwd_o(q, G, h, Aqk, Delta, scale, layout) -> o [B,T,H,V] v.dtype
+    pkda_fwd(...)  all of the above in order, see its docstring.
+
+Grids are 1-D: the product sequences x heads x tiles sits in grid X (limit 2^31-1),
+never in Y or Z (limit 65,535). Under TRITON_INTERPRET=1 each autotuned kernel has exactly
+one config (the interpreter cannot benchmark several).
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import CHUNK, SUB, ChunkLayout, make_layout
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+SUPPORTED_DIMS = (64, 128)
+GRID_X_MAX = 2 ** 31 - 1
+GRID_YZ_MAX = 65535
+BT = CHUNK
+BC = SUB
+
+
+def _configs(space):
+    """space: list of (meta dict, num_warps, num_stages); only the first under the interpreter."""
+    cfgs = [triton.Config(dict(meta), num_warps=w, num_stages=s) for meta, w, s in space]
+    return cfgs[:1] if INTERPRET else cfgs
+
+
+def _check_grid(grid):
+    x = grid[0]
+    if x > GRID_X_MAX or any(d > GRID_YZ_MAX for d in grid[1:]):
+        raise ValueError(f"grid {grid} exceeds CUDA limits")
+    return grid
+
+
+# Grid functions (1-D; tested for many sequences x heads).
+def grid_atk(N, H, K, BK):
+    return _check_grid((N * H * (K // BK), 1, 1))
+
+
+def grid_intra(NT, H):
+    return _check_grid((NT * H, 1, 1))
+
+
+def grid_h(N, H, V, BV):
+    return _check_grid((N * H * (V // BV), 1, 1))
+
+
+def grid_o(NT, H, V, BV):
+    return _check_grid((NT * H * (V // BV), 1, 1))
+
+
+def grid_l2norm(R, BR):
+    return _check_grid((triton.cdiv(R, BR), 1, 1))
+
+
+def _dot_prec(dtype):
+    # fp32 operands: exact fp32 products (IEEE); bf16/fp16 operands ignore it.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _check_dims(K, V=None):
+    if K not in SUPPORTED_DIMS:
+        raise ValueError(f"PKDA: K={K} is not supported (K must be one of {SUPPORTED_DIMS})")
+    if V is not None and V not in SUPPORTED_DIMS:
+        raise ValueError(f"PKDA: V={V} is not supported (V must be one of {SUPPORTED_DIMS})")
+
+
+# ============================================================================ l2norm
+@triton.jit
+def pkda_fwd_l2norm_kernel(x, y, rstd, R, eps, D: tl.constexpr, BR: tl.constexpr):
+    pid = tl.program_id(0)
+    o_r = pid.to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, D)
+    m = o_r < R
+    ptr = o_r[:, None] * D + o_d[None, :]
+    b_x = tl.load(x + ptr, mask=m[:, None], other=0.).to(tl.float32)
+    b_r = 1. / tl.sqrt(tl.sum(b_x * b_x, 1) + eps)
+    tl.store(y + ptr, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m[:, None])
+    tl.store(rstd + o_r, b_r, mask=m)
+
+
+@triton.jit
+def pkda_bwd_l2norm_kernel(y, rstd, dy, dx, R, D: tl.constexpr, BR: tl.constexpr):
+    # y = x * r, r = (sum x^2 + eps)^-1/2  =>  dx = r * (dy - y * sum(y * dy))
+    pid = tl.program_id(0)
+    o_r = pid.to(tl.int64) * BR + tl.arange(0, BR)
+    o_d = tl.arange(0, D)
+    m = o_r < R
+    ptr = o_r[:, None] * D + o_d[None, :]
+    b_y = tl.load(y + ptr, mask=m[:, None], other=0.).to(tl.float32)
+    b_dy = tl.load(dy + ptr, mask=m[:, None], other=0.).to(tl.float32)
+    b_r = tl.load(rstd + o_r, mask=m, other=0.)
+    b_dx = b_r[:, None] * (b_dy - b_y * tl.sum(b_y * b_dy, 1)[:, None])
+    tl.store(dx + ptr, b_dx.to(dx.dtype.element_ty), mask=m[:, None])
+
+
+def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6):
+    """y = x / sqrt(sum_D x^2 + eps) over the last dim. Returns (y in x.dtype, rstd fp32)."""
+    x = x.contiguous()
+    D = x.shape[-1]
+    R = x.numel() // D
+    y = torch.empty_like(x)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    BR = 16
+    pkda_fwd_l2norm_kernel[grid_l2norm(R, BR)](x, y, rstd, R, eps, D=D, BR=BR, num_warps=4)
+    return y, rstd
+
+
+def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype=None):
+    """Gradient w.r.t. x of y = l2norm(x), from y, rstd and dy. dx in out_dtype (dy's)."""
+    dy = dy.contiguous()
+    D = y.shape[-1]
+    R = y.numel() // D
+    dx = torch.empty(y.shape, dtype=out_dtype or dy.dtype, device=y.device)
+    BR = 16
+    pkda_bwd_l2norm_kernel[grid_l2norm(R, BR)](y.contiguous(), rstd.contiguous(), dy, dx, R,
+                                               D=D, BR=BR, num_warps=4)
+    return dx
+
+
+# ============================================================================ fwd.atk
+@triton.autotune(configs=_configs([({"BK": 32}, 4, 1), ({"BK": 16}, 2, 1)]), key=["H", "K"])
+@triton.jit
+def pkda_fwd_atk_kernel(k, g, g_atk, beta_atk, c, a0, p, G, a_out, a_fin, cu, log_x, eps, H,
+                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        HAS_A0: tl.constexpr, STORE_A: tl.constexpr, STORE_FINAL: tl.constexpr):
+    # one program per (sequence, head, K block), looping over the sequence's chunks:
+    # a_r = exp(Ga_r) a_in + sum_{j<=r} exp(Ga_r - Ga_j) beta_atk_j k_j^2  (Ga: chunk cumsum)
+    NK: tl.constexpr = K // BK
+    pid = tl.program_id(0)
+    i_k = pid % NK
+    i_nh = pid // NK
+    i_h = i_nh % H
+    i_n = i_nh // H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    L = eos - bos
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_t = tl.arange(0, BT)
+    st = (i_n.to(tl.int64) * H + i_h) * K + o_k
+    if HAS_A0:
+        b_a = tl.load(a0 + st).to(tl.float32)
+    else:
+        b_a = tl.zeros([BK], dtype=tl.float32)
+    b_c = tl.load(c + i_h).to(tl.float32)
+    tril = o_t[:, None] >= o_t[None, :]
+    for i_t in range(0, tl.cdiv(L, BT)):
+        pos = i_t * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
+        b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_g = tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+        tl.store(G + ptr, tl.cumsum(b_g, 0), mask=m_t[:, None])
+        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_Ga = tl.cumsum(b_ga, 0)
+        b_L = tl.where(tril, tl.exp(tl.where(tril, b_Ga[:, None] - b_Ga[None, :], 0.)), 0.)
+        b_A = tl.dot(b_L, b_ba[:, None] * b_k * b_k, input_precision="ieee")
+        b_A += tl.exp(b_Ga)[:, None] * b_a[None, :]
+        b_r = tl.log(b_A + eps) - b_c
+        b_m = tl.exp(-log_x * b_r / (1. + tl.abs(b_r)))
+        tl.store(p + ptr, (b_k * b_m).to(p.dtype.element_ty), mask=m_t[:, None])
+        if STORE_A:
+            tl.store(a_out + ptr, b_A, mask=m_t[:, None])
+        last = tl.minimum(L - i_t * BT, BT) - 1
+        b_a = tl.sum(tl.where((o_t == last)[:, None], b_A, 0.), 0)
+    if STORE_FINAL:
+        tl.store(a_fin + st, b_a)
+
+
+def fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout: ChunkLayout, initial_A_state=None,
+            x=1.5, eps=1e-6, output_final_state=False, store_a=False):
+    """Stage fwd.atk. k: L2-normalised [B,T,H,K]. See the module docstring for returns."""
+    B, T, H, K = k.shape
+    _check_dims(K)
+    k, g, g_atk, beta_atk = (t.contiguous() for t in (k, g, g_atk, beta_atk))
+    c = log_atk_scale.to(torch.float32).contiguous()
+    p = torch.empty_like(k)
+    G = torch.empty(k.shape, dtype=torch.float32, device=k.device)
+    a = torch.empty_like(G) if store_a else None
+    a_fin = torch.empty(layout.N, H, K, dtype=torch.float32, device=k.device) if output_final_state else None
+    a0 = initial_A_state.contiguous() if initial_A_state is not None else None
+    if layout.N == 0:
+        return p, G, a, a_fin
+    pkda_fwd_atk_kernel[lambda meta: grid_atk(layout.N, H, K, meta["BK"])](
+        k, g, g_atk, beta_atk, c, a0, p, G, a, a_fin, layout.cu, math.log(x), eps, H,
+        K=K, BT=BT, HAS_A0=a0 is not None, STORE_A=store_a, STORE_FINAL=output_final_state)
+    return p, G, a, a_fin
+
+
+# ============================================================================ fwd.intra
+@triton.jit
+def _tile(ptr, T0, row0, Lc, H, i_h, D: tl.constexpr, BC: tl.constexpr):
+    """[BC, D] fp32 rows row0.. of a [Ttot,H,D] tensor inside the chunk starting at T0."""
+    o = row0 + tl.arange(0, BC)
+    m = o < Lc
+    off = ((T0 + o) * H + i_h) * D
+    return tl.load(ptr + off[:, None] + tl.arange(0, D)[None, :], mask=m[:, None], other=0.).to(tl.float32)
+
+
+@triton.jit
+def _col(ptr, T0, row0, Lc, H, i_h, BC: tl.constexpr):
+    """[BC] fp32 per-token scalars (beta) of rows row0.. of the chunk."""
+    o = row0 + tl.arange(0, BC)
+    return tl.load(ptr + (T0 + o) * H + i_h, mask=o < Lc, other=0.).to(tl.float32)
+
+
+@triton.jit
+def _store_blk(ptr, blk, T0, Lc, H, i_h, si, sj, BT: tl.constexpr, BC: tl.constexpr):
+    """Store a [BC,BC] block at rows si*BC.., columns sj*BC.. of a [Ttot,H,BT] tensor."""
+    o = tl.arange(0, BC)
+    rows = si * BC + o
+    ptrs = ptr + ((T0 + rows) * H + i_h)[:, None] * BT + (sj * BC + o)[None, :]
+    tl.store(ptrs, blk.to(ptr.dtype.element_ty), mask=(rows < Lc)[:, None])
+
+
+@triton.jit
+def _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr, sj: tl.constexpr,
+                   K: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    # rows in sub-chunk si, columns in sub-chunk sj < si, reference point G_ref = G at the
+    # first row of si: exp(G_r - G_j) = exp(G_r - G_ref) * exp(G_ref - G_j), both <= 1.
+    o = tl.arange(0, BC)
+    m_i = (si * BC + o) < Lc
+    m_j = (sj * BC + o) < Lc
+    ref = tl.minimum(si * BC, Lc - 1)
+    b_gr = tl.load(G + ((T0 + ref) * H + i_h) * K + tl.arange(0, K))
+    b_Gi = _tile(G, T0, si * BC, Lc, H, i_h, K, BC)
+    b_ei = tl.exp(tl.where(m_i[:, None], b_Gi - b_gr[None, :], 0.))
+    b_kg = (_tile(k, T0, si * BC, Lc, H, i_h, K, BC) * b_ei).to(DT)
+    b_qg = (_tile(q, T0, si * BC, Lc, H, i_h, K, BC) * b_ei).to(DT)
+    b_Gj = _tile(G, T0, sj * BC, Lc, H, i_h, K, BC)
+    b_pj = _tile(p, T0, sj * BC, Lc, H, i_h, K, BC)
+    b_pg = tl.where(m_j[:, None], b_pj * tl.exp(tl.where(m_j[:, None], b_gr[None, :] - b_Gj, 0.)), 0.)
+    b_pgT = tl.trans(b_pg.to(DT))
+    b_Akk = tl.dot(b_kg, b_pgT, input_precision=PREC)
+    b_Aqk = tl.dot(b_qg, b_pgT, input_precision=PREC)
+    b_beta = _col(beta, T0, si * BC, Lc, H, i_h, BC)
+    return b_Akk * b_beta[:, None], b_Aqk * scale
+
+
+@triton.jit
+def _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr,
+                K: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr):
+    # rows and columns in the same sub-chunk: exact, from the masked difference G_r - G_j
+    # (j <= r, exponent <= 0), as a [BC, BC, BKD] broadcast per slice of BKD channels.
+    o = tl.arange(0, BC)
+    rows = si * BC + o
+    m_i = rows < Lc
+    base = ((T0 + rows) * H + i_h) * K
+    cm = (o[:, None] >= o[None, :]) & m_i[:, None]
+    b_Akk = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Aqk = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_d in range(0, K // BKD):
+        ptr = base[:, None] + (i_d * BKD + tl.arange(0, BKD))[None, :]
+        b_G = tl.load(G + ptr, mask=m_i[:, None], other=0.)
+        b_k = tl.load(k + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_p = tl.load(p + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_pe = b_p[None, :, :] * tl.exp(tl.where(cm[:, :, None], b_G[:, None, :] - b_G[None, :, :],
+                                                 float("-inf")))
+        b_Akk += tl.sum(b_k[:, None, :] * b_pe, 2)
+        b_Aqk += tl.sum(b_q[:, None, :] * b_pe, 2)
+    b_beta = _col(beta, T0, si * BC, Lc, H, i_h, BC)
+    b_Akk = tl.where((o[:, None] > o[None, :]) & m_i[:, None], b_Akk * b_beta[:, None], 0.)
+    b_Aqk = tl.where(cm, b_Aqk * scale, 0.)
+    return b_Akk, b_Aqk
+
+
+@triton.jit
+def _inv_unit_lower(A, BC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower [BC,BC] A, by forward substitution row by row."""
+    o = tl.arange(0, BC)
+    T = tl.where(o[:, None] == o[None, :], 1., 0.)
+    for r in range(1, BC):
+        a_r = tl.sum(tl.where(o[:, None] == r, A, 0.), 0)
+        t_r = tl.where(o == r, 1., 0.) - tl.sum(a_r[:, None] * T, 0)
+        T = tl.where(o[:, None] == r, t_r[None, :], T)
+    return T
+
+
+@triton.jit
+def _x_tile(k, G, beta, T0, Lc, H, i_h, sj: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+            DT: tl.constexpr):
+    """beta_j * k_j * exp(G_j) for sub-chunk sj (the right factor of W)."""
+    b_k = _tile(k, T0, sj * BC, Lc, H, i_h, K, BC)
+    b_G = _tile(G, T0, sj * BC, Lc, H, i_h, K, BC)
+    b_b = _col(beta, T0, sj * BC, Lc, H, i_h, BC)
+    return (b_b[:, None] * b_k * tl.exp(b_G)).to(DT)
+
+
+@triton.jit
+def _y_tile(v, beta, T0, Lc, H, i_h, sj: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
+            DT: tl.constexpr):
+    """beta_j * v_j for sub-chunk sj (the right factor of U)."""
+    b_v = _tile(v, T0, sj * BC, Lc, H, i_h, V, BC)
+    b_b = _col(beta, T0, sj * BC, Lc, H, i_h, BC)
+    return (b_b[:, None] * b_v).to(DT)
+
+
+@triton.jit
+def _store_rows(ptr, val, T0, Lc, H, i_h, si: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
+    o = si * BC + tl.arange(0, BC)
+    ptrs = ptr + ((T0 + o) * H + i_h)[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(ptrs, val.to(ptr.dtype.element_ty), mask=(o < Lc)[:, None])
+
+
+@triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1)]), key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_indices, scale, H,
+                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                          BKD: tl.constexpr, STORE_AKK: tl.constexpr, PREC: tl.constexpr):
+    # one program per (chunk, head): Akk, Aqk on 4x4 sub-chunk blocks, Tinv = (I+Akk)^-1 by
+    # block forward substitution, W = Tinv diag(beta)(K*Gamma), U = Tinv diag(beta) V.
+    DT: tl.constexpr = k.dtype.element_ty
+    pid = tl.program_id(0)
+    i_c = pid // H
+    i_h = pid % H
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    T0 = bos + i_t * BT
+    Lc = tl.minimum(eos - T0, BT)
+
+    A00, Q00 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD)
+    A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD)
+    A22, Q22 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD)
+    A33, Q33 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD)
+    A10, Q10 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, 0, K, BC, DT, PREC)
+    A20, Q20 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 0, K, BC, DT, PREC)
+    A21, Q21 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 1, K, BC, DT, PREC)
+    A30, Q30 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 0, K, BC, DT, PREC)
+    A31, Q31 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 1, K, BC, DT, PREC)
+    A32, Q32 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 2, K, BC, DT, PREC)
+
+    # blocks above the diagonal are never written: the launcher allocates zeros
+    _store_blk(Aqk, Q00, T0, Lc, H, i_h, 0, 0, BT, BC)
+    _store_blk(Aqk, Q10, T0, Lc, H, i_h, 1, 0, BT, BC)
+    _store_blk(Aqk, Q11, T0, Lc, H, i_h, 1, 1, BT, BC)
+    _store_blk(Aqk, Q20, T0, Lc, H, i_h, 2, 0, BT, BC)
+    _store_blk(Aqk, Q21, T0, Lc, H, i_h, 2, 1, BT, BC)
+    _store_blk(Aqk, Q22, T0, Lc, H, i_h, 2, 2, BT, BC)
+    _store_blk(Aqk, Q30, T0, Lc, H, i_h, 3, 0, BT, BC)
+    _store_blk(Aqk, Q31, T0, Lc, H, i_h, 3, 1, BT, BC)
+    _store_blk(Aqk, Q32, T0, Lc, H, i_h, 3, 2, BT, BC)
+    _store_blk(Aqk, Q33, T0, Lc, H, i_h, 3, 3, BT, BC)
+    if STORE_AKK:
+        _store_blk(Akk, A00, T0, Lc, H, i_h, 0, 0, BT, BC)
+        _store_blk(Akk, A10, T0, Lc, H, i_h, 1, 0, BT, BC)
+        _store_blk(Akk, A11, T0, Lc, H, i_h, 1, 1, BT, BC)
+        _store_blk(Akk, A20, T0, Lc, H, i_h, 2, 0, BT, BC)
+        _store_blk(Akk, A21, T0, Lc, H, i_h, 2, 1, BT, BC)
+        _store_blk(Akk, A22, T0, Lc, H, i_h, 2, 2, BT, BC)
+        _store_blk(Akk, A30, T0, Lc, H, i_h, 3, 0, BT, BC)
+        _store_blk(Akk, A31, T0, Lc, H, i_h, 3, 1, BT, BC)
+        _store_blk(Akk, A32, T0, Lc, H, i_h, 3, 2, BT, BC)
+        _store_blk(Akk, A33, T0, Lc, H, i_h, 3, 3, BT, BC)
+
+    # Tinv by blocks: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j<=m<i} A_im T_mj
+    D0 = _inv_unit_lower(A00, BC)
+    D1 = _inv_unit_lower(A11, BC)
+    D2 = _inv_unit_lower(A22, BC)
+    D3 = _inv_unit_lower(A33, BC)
+    T10 = -tl.dot(tl.dot(D1, A10, input_precision="ieee"), D0, input_precision="ieee")
+    T21 = -tl.dot(tl.dot(D2, A21, input_precision="ieee"), D1, input_precision="ieee")
+    T20 = -tl.dot(D2, tl.dot(A20, D0, input_precision="ieee")
+                  + tl.dot(A21, T10, input_precision="ieee"), input_precision="ieee")
+    T32 = -tl.dot(tl.dot(D3, A32, input_precision="ieee"), D2, input_precision="ieee")
+    T31 = -tl.dot(D3, tl.dot(A31, D1, input_precision="ieee")
+                  + tl.dot(A32, T21, input_precision="ieee"), input_precision="ieee")
+    T30 = -tl.dot(D3, tl.dot(A30, D0, input_precision="ieee") + tl.dot(A31, T10, input_precision="ieee")
+                  + tl.dot(A32, T20, input_precision="ieee"), input_precision="ieee")
+    _store_blk(Tinv, D0, T0, Lc, H, i_h, 0, 0, BT, BC)
+    _store_blk(Tinv, T10, T0, Lc, H, i_h, 1, 0, BT, BC)
+    _store_blk(Tinv, D1, T0, Lc, H, i_h, 1, 1, BT, BC)
+    _store_blk(Tinv, T20, T0, Lc, H, i_h, 2, 0, BT, BC)
+    _store_blk(Tinv, T21, T0, Lc, H, i_h, 2, 1, BT, BC)
+    _store_blk(Tinv, D2, T0, Lc, H, i_h, 2, 2, BT, BC)
+    _store_blk(Tinv, T30, T0, Lc, H, i_h, 3, 0, BT, BC)
+    _store_blk(Tinv, T31, T0, Lc, H, i_h, 3, 1, BT, BC)
+    _store_blk(Tinv, T32, T0, Lc, H, i_h, 3, 2, BT, BC)
+    _store_blk(Tinv, D3, T0, Lc, H, i_h, 3, 3, BT, BC)
+
+    # W_i = sum_{j<=i} T_ij X_j, U_i = sum_{j<=i} T_ij Y_j
+    X0 = _x_tile(k, G, beta, T0, Lc, H, i_h, 0, K, BC, DT)
+    Y0 = _y_tile(v, beta, T0, Lc, H, i_h, 0, V, BC, DT)
+    _store_rows(W, tl.dot(D0.to(DT), X0, input_precision=PREC), T0, Lc, H, i_h, 0, K, BC)
+    _store_rows(U, tl.dot(D0.to(DT), Y0, input_precision=PREC), T0, Lc, H, i_h, 0, V, BC)
+    X1 = _x_tile(k, G, beta, T0, Lc, H, i_h, 1, K, BC, DT)
+    Y1 = _y_tile(v, beta, T0, Lc, H, i_h, 1, V, BC, DT)
+    b_w = tl.dot(T10.to(DT), X0, input_precision=PREC) + tl.dot(D1.to(DT), X1, input_precision=PREC)
+    b_u = tl.dot(T10.to(DT), Y0, input_precision=PREC) + tl.dot(D1.to(DT), Y1, input_precision=PREC)
+    _store_rows(W, b_w, T0, Lc, H, i_h, 1, K, BC)
+    _store_rows(U, b_u, T0, Lc, H, i_h, 1, V, BC)
+    X2 = _x_tile(k, G, beta, T0, Lc, H, i_h, 2, K, BC, DT)
+    Y2 = _y_tile(v, beta, T0, Lc, H, i_h, 2, V, BC, DT)
+    b_w = (tl.dot(T20.to(DT), X0, input_precision=PREC) + tl.dot(T21.to(DT), X1, input_precision=PREC)
+           + tl.dot(D2.to(DT), X2, input_precision=PREC))
+    b_u = (tl.dot(T20.to(DT), Y0, input_precision=PREC) + tl.dot(T21.to(DT), Y1, input_precision=PREC)
+           + tl.dot(D2.to(DT), Y2, input_precision=PREC))
+    _store_rows(W, b_w, T0, Lc, H, i_h, 2, K, BC)
+    _store_rows(U, b_u, T0, Lc, H, i_h, 2, V, BC)
+    X3 = _x_tile(k, G, beta, T0, Lc, H, i_h, 3, K, BC, DT)
+    Y3 = _y_tile(v, beta, T0, Lc, H, i_h, 3, V, BC, DT)
+    b_w = (tl.dot(T30.to(DT), X0, input_precision=PREC) + tl.dot(T31.to(DT), X1, input_precision=PREC)
+           + tl.dot(T32.to(DT), X2, input_precision=PREC) + tl.dot(D3.to(DT), X3, input_precision=PREC))
+    b_u = (tl.dot(T30.to(DT), Y0, input_precision=PREC) + tl.dot(T31.to(DT), Y1, input_precision=PREC)
+           + tl.dot(T32.to(DT), Y2, input_precision=PREC) + tl.dot(D3.to(DT), Y3, input_precision=PREC))
+    _store_rows(W, b_w, T0, Lc, H, i_h, 3, K, BC)
+    _store_rows(U, b_u, T0, Lc, H, i_h, 3, V, BC)
+
+
+def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
+    """Stage fwd.intra. q, k L2-normalised [B,T,H,K]; p from fwd_atk (k.dtype); G fp32."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    _check_dims(K, V)
+    q, k, v, p, G, beta = (t.contiguous() for t in (q, k, v, p, G, beta))
+    if v.dtype != k.dtype:
+        v = v.to(k.dtype)
+    f32 = dict(dtype=torch.float32, device=k.device)
+    Aqk = torch.zeros(B, T, H, BT, **f32)
+    Tinv = torch.zeros(B, T, H, BT, **f32)
+    Akk = torch.zeros(B, T, H, BT, **f32) if store_akk else None
+    W = torch.empty_like(k)
+    U = torch.empty_like(v)
+    if layout.NT:
+        pkda_fwd_intra_kernel[grid_intra(layout.NT, H)](
+            q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, layout.cu, layout.chunk_indices, scale, H,
+            K=K, V=V, BT=BT, BC=BC, BKD=16, STORE_AKK=store_akk, PREC=_dot_prec(k.dtype))
+    return Aqk, Tinv, W, U, Akk
+
+
+# ============================================================================ fwd.h
+@triton.autotune(configs=_configs([({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2)]),
+                 key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_h_kernel(w, u, p, G, h0, h, delta, ht, cu, chunk_offsets, H,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      HAS_H0: tl.constexpr, STORE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
+                      PREC: tl.constexpr):
+    # one program per (sequence, head, V block), looping over the sequence's chunks:
+    # Delta = U - W S;  S <- diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta
+    NV: tl.constexpr = V // BV
+    DT: tl.constexpr = w.dtype.element_ty
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_nh = pid // NV
+    i_h = i_nh % H
+    i_n = i_nh // H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    L = eos - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    kv = o_k[:, None] * V + o_v[None, :]
+    st = (i_n.to(tl.int64) * H + i_h) * K * V
+    if HAS_H0:
+        b_S = tl.load(h0 + st + kv).to(tl.float32)
+    else:
+        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        if STORE_H:
+            tl.store(h + ((c0 + i_t) * H + i_h) * K * V + kv, b_S.to(h.dtype.element_ty))
+        pos = i_t * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        rk = (rows * H + i_h)[:, None] * K + o_k[None, :]
+        rv = (rows * H + i_h)[:, None] * V + o_v[None, :]
+        b_w = tl.load(w + rk, mask=m_t[:, None], other=0.)
+        b_u = tl.load(u + rv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_d = b_u - tl.dot(b_w, b_S.to(DT), input_precision=PREC)
+        tl.store(delta + rv, b_d.to(delta.dtype.element_ty), mask=m_t[:, None])
+        last = bos + i_t * BT + tl.minimum(L - i_t * BT, BT) - 1
+        b_gl = tl.load(G + (last * H + i_h) * K + o_k)
+        b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
+        b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_kg = tl.where(m_t[:, None], b_p * tl.exp(tl.where(m_t[:, None], b_gl[None, :] - b_G, 0.)), 0.)
+        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_d.to(DT), input_precision=PREC)
+    if STORE_FINAL:
+        tl.store(ht + st + kv, b_S)
+
+
+def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_state=False,
+          store_h=True):
+    """Stage fwd.h. Returns (h [NT,H,K,V] in W.dtype or None, Delta [B,T,H,V] in U.dtype,
+    S_final [N,H,K,V] fp32 or None). No state tensor is allocated unless asked."""
+    B, T, H, K = W.shape
+    V = U.shape[-1]
+    _check_dims(K, V)
+    W, U, p, G = (t.contiguous() for t in (W, U, p, G))
+    h = torch.empty(layout.NT, H, K, V, dtype=W.dtype, device=W.device) if store_h else None
+    Delta = torch.empty_like(U)
+    ht = torch.empty(layout.N, H, K, V, dtype=torch.float32, device=W.device) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if layout.N:
+        pkda_fwd_h_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
+            W, U, p, G, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
+            K=K, V=V, BT=BT, HAS_H0=h0 is not None, STORE_H=store_h,
+            STORE_FINAL=output_final_state, PREC=_dot_prec(W.dtype))
+    return h, Delta, ht
+
+
+# ============================================================================ fwd.o
+@triton.autotune(configs=_configs([({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2), ({"BV": 32}, 4, 2)]),
+                 key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_o_kernel(q, G, h, Aqk, delta, o, cu, chunk_indices, scale, H,
+                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                      PREC: tl.constexpr):
+    # one program per (chunk, head, V block): O = scale (Q*exp(G)) S_0 + Aqk Delta
+    NV: tl.constexpr = V // BV
+    DT: tl.constexpr = q.dtype.element_ty
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_ch = pid // NV
+    i_h = i_ch % H
+    i_c = i_ch // H
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    T0 = bos + i_t * BT
+    Lc = tl.minimum(eos - T0, BT)
+    o_t = tl.arange(0, BT)
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_t = o_t < Lc
+    rows = (T0 + o_t) * H + i_h
+    b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.).to(tl.float32)
+    b_G = tl.load(G + rows[:, None] * K + o_k[None, :], mask=m_t[:, None], other=0.)
+    b_qg = (b_q * tl.exp(b_G) * scale).to(DT)
+    b_h = tl.load(h + (i_c.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :])
+    b_o = tl.dot(b_qg, b_h.to(DT), input_precision=PREC)
+    b_A = tl.load(Aqk + rows[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.)
+    b_d = tl.load(delta + rows[:, None] * V + o_v[None, :], mask=m_t[:, None], other=0.)
+    b_o += tl.dot(b_A.to(DT), b_d.to(DT), input_precision=PREC)
+    tl.store(o + rows[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+
+
+def fwd_o(q, G, h, Aqk, Delta, scale, layout: ChunkLayout, out_dtype=None):
+    """Stage fwd.o. q L2-normalised; h from fwd_h(store_h=True). o in out_dtype (Delta's)."""
+    B, T, H, K = q.shape
+    V = Delta.shape[-1]
+    _check_dims(K, V)
+    q, G, h, Aqk, Delta = (t.contiguous() for t in (q, G, h, Aqk, Delta))
+    out_dtype = out_dtype or Delta.dtype
+    # tokens outside every sequence (cu_seqlens[-1] < T) are never written: zero them
+    o = (torch.empty if layout.covered else torch.zeros)(B, T, H, V, dtype=out_dtype, device=q.device)
+    if layout.NT:
+        pkda_fwd_o_kernel[lambda meta: grid_o(layout.NT, H, V, meta["BV"])](
+            q, G, h, Aqk, Delta, o, layout.cu, layout.chunk_indices, scale, H,
+            K=K, V=V, BT=BT, PREC=_dot_prec(q.dtype))
+    return o
+
+
+# ============================================================================ all stages
+def _nvtx(name):
+    try:
+        import nvtx
+        return nvtx.annotate(name)
+    except ImportError:  # pragma: no cover - nvtx is a declared dependency
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_state=None,
+             initial_A_state=None, output_final_state=False, cu_seqlens=None, x=1.5, eps=1e-6,
+             layout: ChunkLayout | None = None, save_for_backward=False):
+    """The whole Triton forward, each stage inside NVTX range `pkda.fwd.<stage>`.
+
+    q, k: RAW (not normalised) [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta
+    [B,T,H]; scale float; log_atk_scale [H] tensor; states fp32 or None. Inputs are assumed
+    validated (op.py does that). Computation dtype of the stored intermediates: q's dtype
+    (v is cast to it when it differs).
+
+    Returns (o [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None, a_final [N,H,K] fp32 | None,
+    saved) where saved is None unless save_for_backward, else a dict with
+        q_n, k_n   L2-normalised q, k (q.dtype)      q_rstd, k_rstd  [B,T,H] fp32
+        layout     the ChunkLayout of this call
+    (everything else is recomputed by the backward from the inputs: bwd.recompute).
+    """
+    B, T, H, K = q.shape
+    if layout is None:
+        layout = make_layout(B, T, cu_seqlens, q.device)
+    with _nvtx("pkda.fwd.l2norm"):
+        q_n, q_rstd = l2norm_fwd(q)
+        k_n, k_rstd = l2norm_fwd(k)
+    with _nvtx("pkda.fwd.atk"):
+        p, G, _, a_fin = fwd_atk(k_n, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state,
+                                 x, eps, output_final_state=output_final_state)
+    with _nvtx("pkda.fwd.intra"):
+        Aqk, _, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout)
+    with _nvtx("pkda.fwd.h"):
+        h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state)
+    with _nvtx("pkda.fwd.o"):
+        o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
+    saved = None
+    if save_for_backward:
+        saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout)
+    return o, S_fin, a_fin, saved

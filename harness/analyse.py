@@ -83,9 +83,13 @@ def _experiment_dir(loaded: LoadedExperiment, run_dir: Path) -> Path | None:
 def _experiment_section(loaded: LoadedExperiment, run: dict) -> dict:
     exp = loaded.exp
     yaml_text = run.get("experiment_yaml")
+    current = loaded.path.read_text() if loaded.path.is_file() else None
     return {
         "name": exp.name, "description": exp.description, "file": str(loaded.path),
         "sha256": hashlib.sha256(yaml_text.encode()).hexdigest() if yaml_text else None,
+        # False: the file was edited after the run started, so the gates judged here are not the
+        # ones declared before it (shown as a warning in the report)
+        "matches_run": None if yaml_text is None or current is None else current == yaml_text,
         "dtype": exp.dtype, "modes": list(exp.modes), "order": exp.order, "seed": exp.seed,
         "blocks_per_side": exp.blocks, "samples_per_block": exp.samples_per_block,
         "shapes": [s.model_dump(exclude_none=True) for s in exp.shapes],

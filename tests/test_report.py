@@ -224,3 +224,33 @@ def test_index_lists_runs_newest_first(built, tmp_path):
     assert f'href="demo-report/{data["run"]["id"]}/index.html"' in index
     assert "&lt;script&gt;" in index and XSS not in index
     assert "Attempt history" in index
+
+
+def test_report_and_compare_commands(tmp_path, capsys):
+    from harness.cli import main
+
+    loaded, run_dir = build_run_dir(tmp_path)
+    profile, reports = tmp_path / "profile", tmp_path / "reports"
+    args = ["report", str(loaded.path), "--profile-root", str(profile), "--reports-root", str(reports)]
+    assert main(args) == 1  # NO-GO
+    out = capsys.readouterr().out
+    published = reports / "demo-report" / run_dir.name
+    assert f"NO-GO: {published / 'index.html'}" in out
+    assert (run_dir / "report.json").is_file() and (published / "report.json").is_file()
+    assert (reports / "index.html").is_file()
+    assert main(args + ["--run", "no-such-run"]) == 2
+
+    # B: the same report with row S1/fwd's speedup gone and the first gate failing
+    data = json.loads((published / "report.json").read_text())
+    other = json.loads(json.dumps(data))
+    other["run"]["id"] = "B"
+    other["rows"][0]["speedup"].update(point=1.0, lo=0.9, hi=1.1)
+    other["gates"][0]["status"] = "FAIL"
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    out_html = tmp_path / "cmp.html"
+    assert main(["compare", str(published), str(tmp_path / "b.json"), "--out", str(out_html)]) == 0
+    out = capsys.readouterr().out
+    assert "S1/fwd" in out and "B slower" in out and str(out_html) in out
+    html = out_html.read_text()
+    assert "B slower (intervals disjoint)" in html and html.count("<script") == 1
+    assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)

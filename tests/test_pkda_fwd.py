@@ -153,3 +153,146 @@ def test_inputs_factory_shape_problem():
     with pytest.raises(ValueError, match="K=256"):
         m.make_inputs({"B": 1, "T": 4, "H": 1, "D": 256}, "fwd", torch.float32, "cpu", 0)
     assert "kernels" not in (ROOT / "experiments/inputs/pkda.py").read_text().split('"""')[-1]
+
+
+# ---------------------------------------------------------------- chunk reference
+from kernels.pkda import fwd as F_
+from kernels.pkda import reference as R
+
+
+def test_reference_matches_naive_fp64():
+    # strong gates (cumulative G down to about -150 in a chunk) and a partial chunk
+    d = make(2, 150, 2, 16, 24, seed=4, dtype=torch.float64, states=True)
+    d["g"] = d["g"] * 3
+    d = {k: t.double() for k, t in d.items()}
+    n = naive_recurrent_precond_kda(**d, output_final_state=True, compute_dtype=torch.float64)
+    r = R.ref_pkda_fwd(**d, output_final_state=True, compute_dtype=torch.float64)
+    for a, b in zip(r, n):
+        assert rel(a, b) < 1e-12
+    cu = torch.tensor([0, 20, 20, 150, 171, 300])
+    flat = {k: (t.reshape(1, 300, *t.shape[2:]) if t.dim() >= 3 and t.shape[:2] == (2, 150) else t)
+            for k, t in d.items() if k not in ("initial_state", "initial_A_state")}
+    st = dict(initial_state=torch.randn(5, 2, 16, 24, dtype=torch.float64),
+              initial_A_state=torch.rand(5, 2, 16, dtype=torch.float64))
+    n = naive_recurrent_precond_kda(**flat, **st, cu_seqlens=cu, output_final_state=True,
+                                    compute_dtype=torch.float64)
+    r = R.ref_pkda_fwd(**flat, **st, cu_seqlens=cu, output_final_state=True, compute_dtype=torch.float64)
+    for a, b in zip(r, n):
+        assert rel(a, b) < 1e-12
+
+
+# ---------------------------------------------------------------- Triton stages (interpreter)
+@pytest.fixture(scope="module")
+def stages():
+    """One dense case, K != V, T not a multiple of 64, initial states: every Triton stage
+    run alone on the reference's inputs and compared with the reference stage."""
+    B, T, H, K, V = 1, 100, 1, 64, 128
+    d = make(B, T, H, K, V, seed=5, states=True)
+    lay = R.make_layout(B, T, None, "cpu")
+    qn, q_rstd = F_.l2norm_fwd(d["q"])
+    kn, _ = F_.l2norm_fwd(d["k"])
+    out = dict(d=d, lay=lay, qn=qn, kn=kn, q_rstd=q_rstd, scale=K ** -0.5)
+    out["atk"] = F_.fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay,
+                            d["initial_A_state"], output_final_state=True, store_a=True)
+    out["ref_atk"] = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay,
+                                   d["initial_A_state"])
+    ra = out["ref_atk"]
+    out["intra"] = F_.fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], out["scale"], lay,
+                                store_akk=True)
+    out["ref_intra"] = R.ref_fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], out["scale"], lay)
+    ri = out["ref_intra"]
+    out["h"] = F_.fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], lay, d["initial_state"],
+                        output_final_state=True)
+    out["ref_h"] = R.ref_fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], lay, d["initial_state"])
+    rh = out["ref_h"]
+    out["o"] = F_.fwd_o(qn, ra["G"], rh["h"], ri["Aqk"], rh["Delta"], out["scale"], lay)
+    out["ref_o"] = R.ref_fwd_o(qn, ra["G"], rh["h"], ri["Aqk"], rh["Delta"], out["scale"], lay)
+    # the Triton stages chained, end to end
+    p, G, _, a_fin = out["atk"]
+    Aqk, _, W, U, _ = out["intra"]
+    h, Delta, S_fin = F_.fwd_h(W, U, p, G, lay, d["initial_state"], output_final_state=True)
+    out["chain"] = (F_.fwd_o(qn, G, h, Aqk, Delta, out["scale"], lay), S_fin, a_fin)
+    return out
+
+
+def test_l2norm_fwd_bwd():
+    x = torch.randn(3, 5, 2, 64)
+    y, rstd = F_.l2norm_fwd(x)
+    assert rel(y, R.l2norm_ref(x)) < 1e-6
+    xr = x.clone().requires_grad_(True)
+    dy = torch.randn_like(x)
+    R.l2norm_ref(xr).backward(dy)
+    assert rel(F_.l2norm_bwd(y, rstd, dy), xr.grad) < 1e-5
+
+
+def test_stage_atk(stages):
+    p, G, a, a_fin = stages["atk"]
+    r = stages["ref_atk"]
+    assert rel(p, r["p"]) < 1e-5 and rel(G, r["G"]) < 1e-6
+    assert rel(a, r["a"]) < 1e-5 and rel(a_fin, r["a_final"]) < 1e-5
+
+
+def test_stage_intra(stages):
+    Aqk, Tinv, W, U, Akk = stages["intra"]
+    r = stages["ref_intra"]
+    for got, name in ((Aqk, "Aqk"), (Tinv, "Tinv"), (Akk, "Akk"), (W, "W"), (U, "U")):
+        assert rel(got, r[name]) < 1e-5, name
+    # structure: Akk strictly lower, Aqk and Tinv lower with a unit diagonal on Tinv
+    c = torch.arange(64)
+    pos = torch.arange(100) % 64
+    assert (Akk[0, :, 0][c[None, :] >= pos[:, None]] == 0).all()
+    assert (Aqk[0, :, 0][c[None, :] > pos[:, None]] == 0).all()
+    assert torch.allclose(Tinv[0, torch.arange(100), 0, pos], torch.ones(100))
+
+
+def test_stage_h(stages):
+    h, Delta, S_fin = stages["h"]
+    r = stages["ref_h"]
+    assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
+
+
+def test_stage_o(stages):
+    assert rel(stages["o"], stages["ref_o"]) < 1e-5
+
+
+def test_triton_forward_matches_naive(stages):
+    d = stages["d"]
+    o, S, a = naive_recurrent_precond_kda(**d, output_final_state=True, compute_dtype=torch.float64)
+    got = stages["chain"]
+    # a wrong sign or a missing term moves these by O(1); fp32 rounding by ~1e-6
+    assert rel(got[0], o) < 1e-5 and rel(got[1], S) < 1e-5 and rel(got[2], a) < 1e-5
+
+
+def test_op_varlen_matches_naive_and_no_state_allocated():
+    from kernels.pkda import chunk_precond_kda
+    H, K, V = 1, 64, 64
+    cu = torch.tensor([0, 20, 20, 90], dtype=torch.int32)
+    d = make(1, 90, H, K, V, seed=6, states=True, N=3)
+    o, S, a = chunk_precond_kda(**d, cu_seqlens=cu, output_final_state=True)
+    n = naive_recurrent_precond_kda(**d, cu_seqlens=cu, output_final_state=True,
+                                    compute_dtype=torch.float64)
+    assert rel(o, n[0]) < 1e-5 and rel(S, n[1]) < 1e-5 and rel(a, n[2]) < 1e-5
+    # the empty sequence keeps its initial states
+    assert torch.allclose(S[1], d["initial_state"][1]) and torch.allclose(a[1], d["initial_A_state"][1])
+
+
+def test_no_final_state_is_allocated(monkeypatch):
+    # fwd_h / fwd_atk with output_final_state=False allocate no state tensor
+    lay = R.make_layout(1, 8, None, "cpu")
+    W = torch.zeros(1, 8, 1, 64)
+    h, Delta, S = F_.fwd_h(W, torch.zeros(1, 8, 1, 64), W, W, lay, store_h=False)
+    assert h is None and S is None
+    _, _, a, af = F_.fwd_atk(W, W, torch.zeros(1, 8, 1), torch.zeros(1, 8, 1), torch.zeros(1), lay)
+    assert a is None and af is None
+
+
+# ---------------------------------------------------------------- grids
+def test_grids_keep_y_z_small_for_many_sequences_x_heads():
+    N, H = 200_000, 96  # 19.2M sequence-heads: far past 65,535
+    for grid in (F_.grid_atk(N, H, 128, 32), F_.grid_h(N, H, 128, 32),
+                 F_.grid_intra(N * 2, H), F_.grid_o(N * 2, H, 128, 32), F_.grid_l2norm(N * H, 16)):
+        assert len(grid) == 3 and grid[1] <= 65535 and grid[2] <= 65535
+        assert grid[0] <= 2 ** 31 - 1
+    assert F_.grid_intra(N * 2, H)[0] == N * 2 * H
+    with pytest.raises(ValueError, match="exceeds CUDA limits"):
+        F_.grid_o(2 ** 30, 4, 128, 64)

@@ -22,13 +22,12 @@ SCHEMA_VERSION = 1
 LOW_CLOCK_FRACTION = 0.75  # a block whose SM clock fell below this share of boost is flagged
 NO_GPU_VERDICT = ("CPU timings under Triton's interpreter are a smoke test of the pipeline, "
                   "not a performance verdict for GPU kernels")
-PHASE_FILES = {  # record file -> the gate kind it decides (None: shown, decides nothing here)
-    "verify.json": "correctness",
-    "freeze.json": "frozen_paths",
-    "profile.json": "amdahl",
-    "ncu.json": "ncu",
-    "training.json": None,
-}
+# Phase records in a run dir. verify.json decides correctness and frozen_paths (its `gates`);
+# profile.json decides amdahl and ncu.json ncu (their `gate`); freeze.json's gate is the baseline
+# gate (a FAIL there is a terminal red baseline, not a gate of this table); training.json feeds
+# the training gate with blocks.
+PHASE_FILES = ("verify", "freeze", "profile", "ncu", "training")
+PHASE_GATE = {"profile": "amdahl", "ncu": "ncu"}
 
 
 class ReportError(Exception):
@@ -219,13 +218,21 @@ def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evide
     return out
 
 
-def _phases(run_dir: Path) -> tuple[dict[str, dict | None], dict[str, G.PhaseVerdict]]:
-    records, verdicts = {}, {}
-    for file, kind in PHASE_FILES.items():
-        rec = _read_json(run_dir / file)
-        records[file.removesuffix(".json")] = rec
-        if rec is not None and kind is not None and isinstance(rec.get("gate"), dict):
-            verdicts[kind] = G.PhaseVerdict.from_json(rec["gate"])
+def _phases(run_dir: Path, exp_dir: Path | None) -> tuple[dict[str, dict | None], dict[str, G.PhaseVerdict]]:
+    records: dict[str, dict | None] = {}
+    for name in PHASE_FILES:
+        rec = _read_json(run_dir / f"{name}.json")
+        if rec is None and name == "freeze" and exp_dir is not None:
+            rec = _read_json(exp_dir / "freeze.json")  # freeze runs once per experiment
+        records[name] = rec
+    verdicts: dict[str, G.PhaseVerdict] = {}
+    for kind, pv in ((records.get("verify") or {}).get("gates") or {}).items():
+        if isinstance(pv, dict):
+            verdicts[kind] = G.PhaseVerdict.from_json(pv)
+    for name, kind in PHASE_GATE.items():
+        gate = (records.get(name) or {}).get("gate")
+        if isinstance(gate, dict):
+            verdicts[kind] = G.PhaseVerdict.from_json(gate)
     return records, verdicts
 
 
@@ -248,9 +255,9 @@ def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state
     if given:
         return given
     freeze = phases.get("freeze") or {}
-    if freeze.get("terminal"):
-        return f"red baseline: {freeze.get('reason') or 'the baseline failed its own oracle'}"
     base_sha = ((run.get("revisions") or {}).get("baseline") or {}).get("sha")
+    if freeze.get("terminal") and freeze.get("baseline_sha") in (None, base_sha):
+        return f"red baseline: {freeze.get('reason') or 'the baseline failed its own oracle'}"
     if state.get("state") == "TERMINAL_NO_GO":
         term_sha = (state.get("terminal") or {}).get("baseline_sha")
         if term_sha is None or base_sha is None or term_sha == base_sha:
@@ -296,8 +303,8 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     exp = loaded.exp
     blocks = completed_blocks(run_dir / "samples.jsonl")
     shapes = _run_shapes(loaded, run)
-    phase_records, phase_verdicts = _phases(run_dir)
     exp_dir = _experiment_dir(loaded, run_dir)
+    phase_records, phase_verdicts = _phases(run_dir, exp_dir)
     attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
     state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
     aa_file = _read_json(run_dir / "aa.json") or {}

@@ -254,3 +254,28 @@ def test_report_and_compare_commands(tmp_path, capsys):
     html = out_html.read_text()
     assert "B slower (intervals disjoint)" in html and html.count("<script") == 1
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
+
+
+def test_phase_records_reach_gates_and_sections(tmp_path):
+    loaded, run_dir = build_run_dir(tmp_path, impossible_gate=False)
+    verify = {"kind": "verify", "sides": {"candidate": {"cases": [
+        {"case": "tiny", "mode": "fwdbwd", "status": "PASS",
+         "tensors": [{"name": "dq", "max_abs": 1e-6, "max_rel": 2e-5, "worst_ratio": 0.1, "status": "PASS"}]}]}},
+        "gates": {"correctness": {"status": "PASS", "reason": "every tensor within tolerance", "numbers": {}},
+                  "frozen_paths": {"status": "FAIL", "reason": f"frozen path kernels/{XSS} changed", "numbers": {}}}}
+    profile = {"rows": [{"row": "S1/fwdbwd", "stage_share_wall": {"bwd.intra": 0.3, "fwd.o": 0.5, "host/gaps": 0.2},
+                         "endpoint_samples_ms": [1.0] * 40}],
+               "gate": {"status": None, "reason": "stages not visible on CPU", "numbers": {}}}
+    freeze = {"kind": "freeze", "status": "PASS", "terminal": False, "baseline_sha": "0123456789abcdef" * 2,
+              "manifest_sha256": "ab" * 32, "gate": {"status": "PASS", "reason": "baseline matches the oracle twice"}}
+    for name, rec in (("verify", verify), ("profile", profile), ("freeze", freeze)):
+        (run_dir / f"{name}.json").write_text(json.dumps(rec))
+    data = analyse.build_report(loaded, run_dir)
+    assert _gate(data, "frozen")["status"] == "FAIL" and data["verdict"] == "NO-GO"
+    assert [g["name"] for g in data["deciding_gates"]] == ["frozen"]
+    assert data["phases"]["verify"]["gates"]["correctness"]["status"] == "PASS"
+    assert data["phases"]["freeze"]["manifest_sha256"] == "ab" * 32
+    html = report.render_html(data)
+    assert 'aria-label="profile-shares"' in html  # stage-share bars from the profile record
+    assert "40 values" in html  # long sample lists fold away
+    assert f"kernels/{XSS}" not in html and "kernels/&lt;script&gt;" in html

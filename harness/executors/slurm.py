@@ -276,7 +276,9 @@ class JobState:
 
 
 def _state(word: str, **kw) -> JobState:
-    word = (word or "UNKNOWN").split()[0].rstrip("+").upper()  # sacct: "CANCELLED by 0"
+    word = ((word or "").split() or ["UNKNOWN"])[0].rstrip("+").upper()  # sacct: "CANCELLED by 0"
+    if kw.get("reason") in ("None", "(null)", ""):
+        kw["reason"] = None
     return JobState(state=word, run_state=RUN_STATE.get(word, "unknown"), **kw)
 
 

@@ -156,3 +156,21 @@ def quiet(_msg: str) -> None:
 
 def textblock(s: str) -> str:
     return textwrap.dedent(s)
+
+
+_FROZEN: dict[str, tuple] = {}
+
+
+def frozen(tmp_path_factory):
+    """One correct repo frozen once per test session: (repo, loaded, revisions, freeze record).
+
+    Tests add branches to it but never move main or bench-base/toy."""
+    if "ok" not in _FROZEN:
+        from harness.fixtures import freeze
+
+        r = OracleRepo(tmp_path_factory.mktemp("oracle-ok"))
+        loaded = r.experiment()
+        revisions = r.resolve(loaded)
+        record = freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+        _FROZEN["ok"] = (r, loaded, revisions, record)
+    return _FROZEN["ok"]

@@ -1,0 +1,129 @@
+"""harness freeze: baseline gate (twice), fixtures in safetensors, BENCH_BASE by plumbing, terminal NO-GO."""
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+
+import pytest
+
+from harness import attempts, fixtures
+from harness.cli import main
+from harness.spec import LoadedExperiment
+from oracle_repo import OP_WRONG, OracleRepo, frozen, git, quiet
+
+
+def blob(repo, rev_path: str) -> bytes:
+    return subprocess.run(["git", "-C", str(repo), "cat-file", "blob", rev_path], check=True,
+                          capture_output=True).stdout
+
+
+def test_freeze_creates_bench_base_with_matching_manifest(tmp_path_factory):
+    r, loaded, revisions, rec = frozen(tmp_path_factory)
+    assert rec.status == "PASS" and not rec.terminal, rec.failures
+    assert rec.gate["status"] == "PASS"
+    assert rec.reproducibility["status"] == "PASS" and rec.reproducibility["bitwise"] is True
+    sha = git(r.repo, "rev-parse", "refs/heads/bench-base/toy")
+    assert sha == rec.bench_base_sha
+    assert git(r.repo, "rev-parse", f"{sha}^") == r.baseline
+    # only fixtures/toy/ was added on top of the baseline
+    added = git(r.repo, "diff", "--name-status", r.baseline, sha).splitlines()
+    assert sorted(added) == ["A\tfixtures/toy/dense.safetensors", "A\tfixtures/toy/manifest.json",
+                             "A\tfixtures/toy/ragged.safetensors"]
+    raw = blob(r.repo, f"{sha}:fixtures/toy/manifest.json")
+    manifest = json.loads(raw)
+    assert hashlib.sha256(raw).hexdigest() == rec.manifest_sha256
+    assert manifest == rec.manifest
+    assert set(manifest["files"]) == {"dense.safetensors", "ragged.safetensors"}
+    for fname, digest in manifest["files"].items():
+        assert hashlib.sha256(blob(r.repo, f"{sha}:fixtures/toy/{fname}")).hexdigest() == digest
+    assert (manifest["seed"], manifest["dtype"], manifest["rtol"], manifest["atol"]) == (7, "float32", 1e-5, 1e-6)
+    assert [c["name"] for c in manifest["cases"]] == ["dense", "ragged"]
+    assert manifest["cases"][1]["shape"]["seqlens"] == [3, 0, 4]
+    assert {"in.kwargs.x", "in.kwargs.w", "in.kwargs.cu_seqlens", "out.0", "cot.0", "grad.kwargs.x",
+            "grad.kwargs.w"} <= set(manifest["cases"][1]["tensors"])
+    # frozen paths: declared ones (a file and a directory), hashed at BENCH_BASE
+    assert set(manifest["frozen_paths"]) == {"ref.py", "tests"}
+    assert manifest["frozen_paths"]["ref.py"]["sha256"] == hashlib.sha256(blob(r.repo, f"{sha}:ref.py")).hexdigest()
+    assert manifest["frozen_paths"]["tests"]["files"]["test_op.py"] == hashlib.sha256(
+        blob(r.repo, f"{sha}:tests/test_op.py")).hexdigest()
+    # the user's checkout and index are untouched
+    assert git(r.repo, "status", "--porcelain") == ""
+    assert git(r.repo, "rev-parse", "HEAD") == r.baseline
+    assert git(r.repo, "rev-parse", "--abbrev-ref", "HEAD") == "main"
+    saved = fixtures.load_freeze(r.profile, "toy")
+    assert saved.bench_base_sha == sha and saved.runs and saved.runs[0]["cases"][0]["tensors"]
+    assert attempts.attempt_state(r.profile, loaded.exp)["state"] == "OPEN"
+
+
+def test_second_freeze_reuses_bench_base(tmp_path_factory, capsys):
+    r, loaded, revisions, rec = frozen(tmp_path_factory)
+    again = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    assert again.status == "PASS" and again.bench_base_reused and again.bench_base_sha == rec.bench_base_sha
+    assert again.manifest_sha256 == rec.manifest_sha256
+    # the CLI with --reuse returns the green record without re-running
+    rc = main(["freeze", str(loaded.path), "--profile-root", str(r.profile), "--device", "cpu", "--reuse"])
+    out = capsys.readouterr().out
+    assert rc == 0 and rec.bench_base_sha in out
+
+
+def test_refuses_to_move_bench_base(tmp_path_factory):
+    r, loaded, revisions, rec = frozen(tmp_path_factory)
+    from pathlib import Path
+
+    fixture_dir = Path(rec.artifacts) / "run1" / "fixtures"
+    relaxed = {**rec.manifest, "rtol": 1e-2}
+    with pytest.raises(fixtures.FreezeError, match=r"refusing to move.*rtol"):
+        fixtures.commit_bench_base(r.repo, "toy", r.baseline, fixture_dir, relaxed, log=quiet)
+    with pytest.raises(fixtures.FreezeError, match="not the baseline"):
+        fixtures.commit_bench_base(r.repo, "toy", rec.bench_base_sha, fixture_dir, rec.manifest, log=quiet)
+    assert git(r.repo, "rev-parse", "refs/heads/bench-base/toy") == rec.bench_base_sha
+
+
+def test_missing_frozen_path_is_an_error_naming_it(tmp_path_factory):
+    r, loaded, revisions, rec = frozen(tmp_path_factory)
+    exp = loaded.exp.model_copy(update={"frozen_paths": ["ref.py", "kernels/missing.py"]})
+    broken = LoadedExperiment(exp=exp, path=loaded.path, root=loaded.root)
+    with pytest.raises(fixtures.FreezeError, match="kernels/missing.py"):
+        fixtures.freeze(broken, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+
+
+def test_wrong_baseline_is_terminal_no_go(tmp_path):
+    r = OracleRepo(tmp_path, op_src=OP_WRONG)
+    loaded = r.experiment()
+    revisions = r.resolve(loaded)
+    rec = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    assert rec.status == "FAIL" and rec.terminal and rec.gate["status"] == "FAIL"
+    assert rec.bench_base_sha is None
+    assert any("out.0" in f and "outside atol + rtol" in f for f in rec.failures)
+    assert git(r.repo, "branch", "--list", "bench-base/*") == ""
+    state = json.loads((r.profile / "toy" / "state.json").read_text())
+    assert state["state"] == "TERMINAL_NO_GO" and state["terminal"]["baseline_sha"] == r.baseline
+    assert state["terminal"]["failures"]
+    assert attempts.attempt_state(r.profile, loaded.exp)["state"] == "TERMINAL_NO_GO"
+    with pytest.raises(attempts.AttemptError, match="TERMINAL_NO_GO"):
+        attempts.reopen(r.profile, "toy", "try again")
+    # terminal: a second freeze does not re-run or relax anything
+    again = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    assert again.terminal and again.created == rec.created
+    assert attempts.cap_verdict(attempts.attempt_state(r.profile, loaded.exp), "GO")[0] == "NO-GO"
+
+
+def test_two_runs_must_agree(tmp_path):
+    """Reproducibility between the two baseline runs: bitwise passes, within tolerance passes, beyond fails."""
+    import torch
+    from safetensors.torch import save_file
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    x = torch.linspace(-1, 1, 10)
+    save_file({"out.0": x, "grad.kwargs.x": x.clone()}, str(a / "c.safetensors"))
+    save_file({"out.0": x + 1e-9, "grad.kwargs.x": x.clone()}, str(b / "c.safetensors"))
+    rows, fails = fixtures._compare_dirs(a, b, 1e-5, 1e-6, "op output")
+    assert not fails and {r["tensor"]: r["bitwise"] for r in rows} == {"out.0": False, "grad.kwargs.x": True}
+    save_file({"out.0": x + 1e-3, "grad.kwargs.x": x.clone()}, str(b / "c.safetensors"))
+    rows, fails = fixtures._compare_dirs(a, b, 1e-5, 1e-6, "op output")
+    assert len(fails) == 1 and "c.safetensors:out.0 differs between two runs" in fails[0]
+    (b / "d.safetensors").write_bytes((a / "c.safetensors").read_bytes())
+    _, fails = fixtures._compare_dirs(a, b, 1e-5, 1e-6, "op output")
+    assert any("only one of the two runs" in f for f in fails)

@@ -13,7 +13,13 @@ from harness.spec import SpecError
 # Each module defines `add_parser(subparsers)` which registers its subcommand with `func=run`.
 COMMANDS = [
     "validate",
+    "report", "compare",
+    "freeze",
+    "verify",
+    "attempts",
     "run",
+    "ncu",
+    "profile",
     "submit",
     "status",
     "cancel",

@@ -756,6 +756,12 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
         log(f"ncu: {record['error']}")
         return _finish(exp, record, run_dir)
     record["ncu"] = {"path": ncu, "version": ncu_version(ncu)}
+    try:
+        from harness.device import device_info, gpu_snapshot, versions
+
+        record.update(device=device_info(), versions=versions(), gpu_before=gpu_snapshot())
+    except Exception as e:  # provenance is best effort; the profile is the evidence
+        record["device"] = {"error": f"{type(e).__name__}: {e}"}
     timeout = _timeout()
     extra = _extra_metrics()
     _, inputs_fn = exp.target.inputs.split(":")
@@ -793,6 +799,12 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
             side_rec["rows"][row] = row_rec
             if row_rec["status"] != "ok":
                 log(f"ncu {side} {row}: {row_rec['error']}")
+    try:
+        from harness.device import gpu_snapshot
+
+        record["gpu_after"] = gpu_snapshot()
+    except Exception:
+        pass
     for row in exp.ncu.rows:
         b = record["sides"]["baseline"]["rows"][row].get("stages", {})
         c = record["sides"]["candidate"]["rows"][row].get("stages", {})

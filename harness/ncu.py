@@ -208,14 +208,37 @@ def read_report(path: str | Path, ncu: str | None = None, timeout: int = 600) ->
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"{path}: no such report")
-    try:
-        import ncu_report  # noqa: F401
-    except ImportError:
+    if _import_ncu_report(ncu) is None:
         ncu = ncu or find_ncu()
         if ncu is None:
             raise ReportError(f"{path}: neither the ncu_report module nor an ncu binary is available to read it")
         return read_report_csv(path, ncu, timeout), "csv"
     return read_report_module(path), "ncu_report"
+
+
+def _import_ncu_report(ncu: str | None = None):
+    """The `ncu_report` module: installed (PyPI ncu-report), or the one shipped in
+    <nsight-compute>/extras/python next to the ncu binary; None when neither is there."""
+    try:
+        import ncu_report
+
+        return ncu_report
+    except ImportError:
+        pass
+    ncu = ncu or find_ncu()
+    if ncu is None:
+        return None
+    extras = Path(ncu).resolve().parent / "extras" / "python"
+    if not (extras / "ncu_report.py").is_file():
+        return None
+    sys.path.append(str(extras))
+    try:
+        import ncu_report
+
+        return ncu_report
+    except ImportError:
+        sys.path.remove(str(extras))
+        return None
 
 
 def read_report_module(path: Path) -> list[Launch]:
@@ -855,6 +878,7 @@ def _clean(v):
 # --- tables for people --------------------------------------------------------------------------
 
 TABLE_KEYS = ("launches", "duration_ns", "dram_read_bytes", "dram_write_bytes", "dram_read_bytes_per_s",
+              "dram_write_bytes_per_s",
               "l2_bytes", "tensor_inst", "sm_sol_pct", "tensor_sol_pct", "achieved_occupancy_pct",
               "theoretical_occupancy_pct", "registers_per_thread", "spill_local_requests", "local_load_bytes",
               "local_store_bytes", "warps_active_per_cycle", "warps_eligible_per_cycle")

@@ -463,3 +463,18 @@ def test_real_reports_merge_into_stages():
     assert st["metrics"]["duration_ns"] > 0 and st["metrics"]["dram_bytes"] is not None
     if source:
         assert st["metrics"]["spill_local_requests"] is not None
+
+
+def test_parse_command_prints_kernel_and_stage_tables(monkeypatch, capsys, tmp_path):
+    from harness.cli import main
+
+    monkeypatch.setattr(ncu, "read_report", lambda path, ncu_bin=None, timeout=600: (baseline_passes()["full"], "synthetic"))
+    assert main(["ncu", "--parse", str(tmp_path / "x-full.ncu-rep"), "--stage", "replaced=dAv|intra"]) == 0
+    out = capsys.readouterr().out
+    assert "pkda_bwd_intra_kernel" in out and "stage replaced" in out and "registers_per_thread" in out
+    assert main(["ncu", "--parse", str(tmp_path / "x-full.ncu-rep"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    rec = data[str(tmp_path / "x-full.ncu-rep")]
+    assert rec["launches"] == 4 and rec["kernels"]["pkda_bwd_dAv_kernel"]["metrics"]["duration_ns"] == 1000
+    assert main(["ncu", "--parse", "x.ncu-rep", "--stage", "bad"]) == 2
+    assert main(["ncu"]) == 2

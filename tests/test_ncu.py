@@ -478,3 +478,43 @@ def test_parse_command_prints_kernel_and_stage_tables(monkeypatch, capsys, tmp_p
     assert rec["launches"] == 4 and rec["kernels"]["pkda_bwd_dAv_kernel"]["metrics"]["duration_ns"] == 1000
     assert main(["ncu", "--parse", "x.ncu-rep", "--stage", "bad"]) == 2
     assert main(["ncu"]) == 2
+
+
+def test_module_reader_uses_the_ncu_report_api(monkeypatch, tmp_path):
+    """The calls read_report_module makes, against a stand-in with ncu_report's method names."""
+    import types
+
+    class M:
+        def __init__(self, v, u): self.v, self.u = v, u
+        def value(self): return self.v
+        def unit(self): return self.u
+
+    class Action:
+        def __init__(self, name, metrics): self._n, self._m = name, metrics
+        def name(self): return self._n
+        def metric_names(self): return tuple(self._m)
+        def metric_by_name(self, n): return M(*self._m[n]) if n in self._m else None
+        def nvtx_state(self): return None
+
+    class Range:
+        def __init__(self, acts): self.acts = acts
+        def num_actions(self): return len(self.acts)
+        def action_by_idx(self, i): return self.acts[i]
+
+    class Ctx:
+        def num_ranges(self): return 1
+        def range_by_idx(self, i): return Range([Action("pkda_bwd_intra_kernel", {
+            "gpu__time_duration.sum": (2500, "nsecond"), "launch__registers_per_thread": (128, "register/thread"),
+            "dram__bytes_read.sum": (4096, "byte"), "some__unwanted_metric": (1, "")})])
+
+    fake = types.ModuleType("ncu_report")
+    fake.load_report = lambda path: Ctx()
+    monkeypatch.setitem(sys.modules, "ncu_report", fake)
+    rep = tmp_path / "r.ncu-rep"
+    rep.write_bytes(b"")
+    launches, reader = ncu.read_report(rep)
+    assert reader == "ncu_report" and [la.name for la in launches] == ["pkda_bwd_intra_kernel"]
+    assert "some__unwanted_metric" not in launches[0].metrics
+    k = ncu.kernel_metrics({"full": launches})["pkda_bwd_intra_kernel"]["metrics"]
+    assert k["duration_ns"] == 2500 and k["registers_per_thread"] == 128 and k["dram_read_bytes"] == 4096
+    assert k["dram_write_bytes"] is None

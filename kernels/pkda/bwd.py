@@ -68,13 +68,8 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(dtype, tl.float32)
 
 
-@triton.jit
-def _mm(a, b, DT: tl.constexpr):
-    """a @ b with FP32 accumulation; operands cast to DT (fp32 -> IEEE)."""
-    if DT == tl.float32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(a.to(DT), b.to(DT))
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 @triton.jit
@@ -91,7 +86,7 @@ def _chunk_bounds(chunks, i_c):
 @triton.jit
 def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
                         H: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                        DT: tl.constexpr, WRITE_DA: tl.constexpr):
+                        DT: tl.constexpr, PREC: tl.constexpr, WRITE_DA: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_bounds(chunks, i_c)
     L = eos - bos
@@ -108,8 +103,8 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         if WRITE_DA:
             b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
-            b_dA += _mm(b_do, tl.trans(b_dl), DT)
-        b_dv = _mm(tl.trans(b_A), b_do, DT)
+            b_dA += tl.dot((b_do).to(DT), (tl.trans(b_dl)).to(DT), input_precision=PREC)
+        b_dv = tl.dot((tl.trans(b_A)).to(DT), (b_do).to(DT), input_precision=PREC)
         tl.store(dv_loc + p_tv, b_dv, mask=m_tv)
     if WRITE_DA:
         keep = m_A & (o_t[:, None] >= o_t[None, :])
@@ -124,7 +119,7 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
 @triton.jit
 def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off, scale,
                         H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                         USE_DHT: tl.constexpr):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -157,14 +152,14 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         b_Gl = tl.load(G + ((cbos + L - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
-        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.) + _mm(b_kg, b_dE, DT)
+        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.) + tl.dot((b_kg).to(DT), (b_dE).to(DT), input_precision=PREC)
         tl.store(dDelta + p_tv, b_dD, mask=m_tv)
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-        b_dE = (b_dE * tl.exp(b_Gl)[:, None] + _mm(tl.trans(b_qg), b_do, DT)
-                - _mm(tl.trans(b_w), b_dD, DT))
+        b_dE = (b_dE * tl.exp(b_Gl)[:, None] + tl.dot((tl.trans(b_qg)).to(DT), (b_do).to(DT), input_precision=PREC)
+                - tl.dot((tl.trans(b_w)).to(DT), (b_dD).to(DT), input_precision=PREC))
     tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
 
 
@@ -176,7 +171,7 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
 def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDelta, do,
                             dq, dk, dp, dG, dv, dbeta, dAkk, chunks, scale,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr):
+                            BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_bounds(chunks, i_c)
     L = eos - bos
@@ -193,9 +188,9 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_dX = _mm(tl.trans(b_Ti), tl.load(dDelta + p_tv, mask=m_tv, other=0.), DT)
+        b_dX = tl.dot((tl.trans(b_Ti)).to(DT), (tl.load(dDelta + p_tv, mask=m_tv, other=0.)).to(DT), input_precision=PREC)
         b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
-        b_dA += _mm(b_dX, tl.trans(b_dl), DT)
+        b_dA += tl.dot((b_dX).to(DT), (tl.trans(b_dl)).to(DT), input_precision=PREC)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dX * b_v, axis=1)
         tl.store(dv + p_tv, b_dX * b_beta[:, None], mask=m_tv)
@@ -222,10 +217,10 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
             p_kv = h_base + o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
             b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.)
-            b_dX = _mm(tl.trans(b_Ti), tl.load(dDelta + p_tv, mask=m_tv, other=0.), DT)
-            b_dq += _mm(tl.load(do + p_tv, mask=m_tv, other=0.), tl.trans(b_h), DT)
-            b_dkg += _mm(tl.load(Delta + p_tv, mask=m_tv, other=0.), tl.trans(b_dE), DT)
-            b_dXh += _mm(b_dX, tl.trans(b_h), DT)
+            b_dX = tl.dot((tl.trans(b_Ti)).to(DT), (tl.load(dDelta + p_tv, mask=m_tv, other=0.)).to(DT), input_precision=PREC)
+            b_dq += tl.dot((tl.load(do + p_tv, mask=m_tv, other=0.)).to(DT), (tl.trans(b_h)).to(DT), input_precision=PREC)
+            b_dkg += tl.dot((tl.load(Delta + p_tv, mask=m_tv, other=0.)).to(DT), (tl.trans(b_dE)).to(DT), input_precision=PREC)
+            b_dXh += tl.dot((b_dX).to(DT), (tl.trans(b_h)).to(DT), input_precision=PREC)
             b_hdE += tl.sum(b_h * b_dE, axis=1)
         b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_Gl = tl.load(G + ((eos - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -256,13 +251,14 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
 # =============================================================================================
 @triton.jit
 def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d,
-                bos, L, i_s, i_h, o_k, m_k,
-                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                dAqk, dAkk, DIAG_FROM_MEM: tl.constexpr, bos, L, i_s, i_h, o_k, m_k,
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     """dq, dkr (= dk / beta) and dp of the sub-chunk's 16 tokens for one K tile, from the
     fragments (all FP32, zero outside the causal mask):
         b_Aq_row, b_Ak_row [BC, BT]  rows I of dAqk_s / dAkk (row fragment)
         b_Aq_col, b_Ak_col [BT, BC]  columns I (column fragment)
-        b_Aq_d, b_Ak_d     [BC, BC]  the diagonal block [I, I]
+        b_Aq_d, b_Ak_d     [BC, BC]  the diagonal block [I, I] (unused with DIAG_FROM_MEM:
+                                     its rows / columns are then read from dAqk, dAkk)
     Off-diagonal sub-chunks use one local reference point (exponents <= 0 on both sides);
     the diagonal block is done token by token with exact differences, masked before exp."""
     o_i = tl.arange(0, BC)
@@ -282,8 +278,8 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     b_pa = tl.load(p + p_tk, mask=m_j, other=0.).to(tl.float32)
     b_pg = tl.where(m_j, b_pa * tl.exp(tl.where(m_j, b_Gr[None, :] - b_Ga, 0.)), 0.)
     b_e = tl.where(m_ik, tl.exp(b_G - b_Gr[None, :]), 0.)
-    b_dq = _mm(b_Aq_row, b_pg, DT) * b_e
-    b_dkr = _mm(b_Ak_row, b_pg, DT) * b_e
+    b_dq = tl.dot((b_Aq_row).to(DT), (b_pg).to(DT), input_precision=PREC) * b_e
+    b_dkr = tl.dot((b_Ak_row).to(DT), (b_pg).to(DT), input_precision=PREC) * b_e
     # ---- column fragment, rows r > i_last: reference point G_{i_last}
     i_last = tl.minimum(I0 + BC, L) - 1
     b_Gc = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -293,7 +289,7 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     b_qa = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr
     b_ba = tl.load(beta + (bos + o_t) * H + i_h, mask=m_r, other=0.).to(tl.float32)
     b_ka = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr * b_ba[:, None]
-    b_dp = _mm(tl.trans(b_Aq_col), b_qa, DT) + _mm(tl.trans(b_Ak_col), b_ka, DT)
+    b_dp = tl.dot((tl.trans(b_Aq_col)).to(DT), (b_qa).to(DT), input_precision=PREC) + tl.dot((tl.trans(b_Ak_col)).to(DT), (b_ka).to(DT), input_precision=PREC)
     b_dp *= tl.where(m_ik, tl.exp(b_Gc[None, :] - b_G), 0.)
     # ---- diagonal block, token s of the sub-chunk is column s (rows part) and row s (cols part)
     for s in range(0, BC):
@@ -305,12 +301,20 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
         b_ks = tl.load(k + p_sk, mask=m_sk, other=0.).to(tl.float32)
         b_Gs = tl.load(G + p_sk, mask=m_sk, other=0.).to(tl.float32)
         b_bs = tl.load(beta + (bos + I0 + s) * H + i_h, mask=v_s, other=0.).to(tl.float32)
-        sel_c = o_i[None, :] == s
-        sel_r = o_i[:, None] == s
-        b_aq_c = tl.sum(tl.where(sel_c, b_Aq_d, 0.), axis=1)     # dAqk[I, s]
-        b_ak_c = tl.sum(tl.where(sel_c, b_Ak_d, 0.), axis=1)
-        b_aq_r = tl.sum(tl.where(sel_r, b_Aq_d, 0.), axis=0)     # dAqk[s, I]
-        b_ak_r = tl.sum(tl.where(sel_r, b_Ak_d, 0.), axis=0)
+        if DIAG_FROM_MEM:   # materialised: read column s and row s of the block from HBM
+            p_c = ((bos + ti) * H + i_h) * BT + I0 + s
+            p_r = ((bos + I0 + s) * H + i_h) * BT + ti
+            b_aq_c = tl.load(dAqk + p_c, mask=m_i & v_s, other=0.)    # dAqk[I, s]
+            b_ak_c = tl.load(dAkk + p_c, mask=m_i & v_s, other=0.)
+            b_aq_r = tl.load(dAqk + p_r, mask=m_i & v_s, other=0.)    # dAqk[s, I]
+            b_ak_r = tl.load(dAkk + p_r, mask=m_i & v_s, other=0.)
+        else:               # on chip: extract them from the [16,16] diagonal block
+            sel_c = o_i[None, :] == s
+            sel_r = o_i[:, None] == s
+            b_aq_c = tl.sum(tl.where(sel_c, b_Aq_d, 0.), axis=1)
+            b_ak_c = tl.sum(tl.where(sel_c, b_Ak_d, 0.), axis=1)
+            b_aq_r = tl.sum(tl.where(sel_r, b_Aq_d, 0.), axis=0)
+            b_ak_r = tl.sum(tl.where(sel_r, b_Ak_d, 0.), axis=0)
         m_lo = (o_i >= s)[:, None] & m_ik & v_s                  # rows r >= s
         e_lo = tl.where(m_lo, tl.exp(tl.where(m_lo, b_G - b_Gs[None, :], 0.)), 0.)
         b_dq += b_aq_c[:, None] * b_ps[None, :] * e_lo
@@ -322,7 +326,8 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
 
 
 @triton.jit
-def _load_frags(dAqk, dAkk, bos, L, i_s, i_h, H: tl.constexpr, LOAD_AQ: tl.constexpr):
+def _load_frags(dAqk, dAkk, bos, L, i_s, i_h, H: tl.constexpr, LOAD_AQ: tl.constexpr,
+                LOAD_DIAG: tl.constexpr):
     """Row / column / diagonal fragments of the materialised dAkk (and dAqk if LOAD_AQ),
     zero outside the causal masks the consumer expects (row: j < I0; col: r > i_last)."""
     o_i = tl.arange(0, BC)
@@ -339,11 +344,14 @@ def _load_frags(dAqk, dAkk, bos, L, i_s, i_h, H: tl.constexpr, LOAD_AQ: tl.const
     p_d = ((bos + ti)[:, None] * H + i_h) * BT + ti[None, :]
     b_Ak_row = tl.load(dAkk + p_row, mask=m_row, other=0.)
     b_Ak_col = tl.load(dAkk + p_col, mask=m_col, other=0.)
-    b_Ak_d = tl.load(dAkk + p_d, mask=m_d, other=0.)
+    if LOAD_DIAG:
+        b_Ak_d = tl.load(dAkk + p_d, mask=m_d, other=0.)
+    else:
+        b_Ak_d = tl.zeros([BC, BC], dtype=tl.float32)
     if LOAD_AQ:
         b_Aq_row = tl.load(dAqk + p_row, mask=m_row, other=0.)
         b_Aq_col = tl.load(dAqk + p_col, mask=m_col, other=0.)
-        b_Aq_d = tl.load(dAqk + p_d, mask=m_d, other=0.)
+        b_Aq_d = tl.load(dAqk + p_d, mask=m_d & LOAD_DIAG, other=0.)
     else:
         b_Aq_row = tl.zeros([BC, BT], dtype=tl.float32)
         b_Aq_col = tl.zeros([BT, BC], dtype=tl.float32)
@@ -377,7 +385,7 @@ def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_
 @triton.autotune(configs=_configs([(4, 1), (2, 1)]), key=["H", "K", "DT"])
 @triton.jit
 def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_part, chunks, TT,
-                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr):
+                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
     i_x, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_s = i_x // NC, i_x % NC
     bos, eos = _chunk_bounds(chunks, i_c)
@@ -386,9 +394,9 @@ def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_pa
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d = _load_frags(
-            dAqk, dAkk, bos, L, i_s, i_h, H, True)
+            dAqk, dAkk, bos, L, i_s, i_h, H, True, False)
         b_dq, b_dkr, b_dp = _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col,
-                                        b_Aq_d, b_Ak_d, bos, L, i_s, i_h, o_k, m_k, H, K, BK, DT)
+                                        b_Aq_d, b_Ak_d, dAqk, dAkk, True, bos, L, i_s, i_h, o_k, m_k, H, K, BK, DT, PREC)
         b_db = _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_s,
                                i_h, o_k, m_k, H, K)
         o_i = tl.arange(0, BC)
@@ -516,7 +524,7 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
     if lay.NT:
         pkda_bwd_dAv_kernel[(lay.NT, H)](do, Delta, Aqk, dAqk, dv_loc, lay.chunk_bounds, scale,
                                          H=H, V=V, BV=min(64, triton.next_power_of_2(V)),
-                                         DT=_dot_dtype(do.dtype), WRITE_DA=write_dA)
+                                         DT=_dot_dtype(do.dtype), PREC=_prec(do.dtype), WRITE_DA=write_dA)
     return (dAqk if write_dA else None), dv_loc
 
 
@@ -533,7 +541,7 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
         pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
             q, p, G, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta, dS0,
             lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
-            DT=_dot_dtype(q.dtype), USE_DHT=dht is not None)
+            DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None)
     return dE_all, dDelta, dS0
 
 
@@ -551,7 +559,7 @@ def bwd_wy_dqkg(q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do, scale, 
             q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do,
             out["dq"], out["dk"], out["dp"], out["dG"], out["dv"], out["dbeta"], out["dAkk"],
             lay.chunk_bounds, scale, H=H, K=K, V=V, BK=_bk(K),
-            BV=min(64, triton.next_power_of_2(V)), DT=_dot_dtype(q.dtype))
+            BV=min(64, triton.next_power_of_2(V)), DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype))
     return out
 
 
@@ -566,7 +574,7 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     if lay.NT:
         pkda_bwd_intra_kernel[(lay.NT * NC, H, NK)](
             q, k, p, G, beta, dAqk, dAkk, grads["dq"], grads["dk"], grads["dp"], grads["dG"],
-            part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype))
+            part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype))
         n = TT * H
         BLOCK = 1024
         pkda_bwd_beta_reduce_kernel[(triton.cdiv(n, BLOCK),)](grads["dbeta"], part, n, NK=NK,
@@ -612,11 +620,11 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
     if saved is not None and all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
         return {n: saved[n] for n in RECOMPUTE_KEYS}
     from . import fwd
-    atk = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps)
-    it = fwd.fwd_intra(q, k, v, atk["p"], atk["G"], beta, scale, lay)
-    hs = fwd.fwd_h(it["W"], it["U"], atk["p"], atk["G"], lay, initial_state)
-    return dict(a=atk["a"], p=atk["p"], G=atk["G"], Aqk=it["Aqk"], Tinv=it["Tinv"], W=it["W"],
-                U=it["U"], h=hs["h"], Delta=hs["Delta"])
+    p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
+                             store_a=True)
+    Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay)
+    h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state)
+    return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
 
 
 # ---------------------------------------------------------------------------- the dAqk seam

@@ -95,15 +95,18 @@ def load_from_worktree(worktree: str, target: str):
 
     module_name, fn = target.split(":")
     top = module_name.split(".")[0]
-    if top in sys.modules and top != "harness":
-        # imported before isolation (should not happen): drop it so the worktree's copy is used
-        for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
-            del sys.modules[name]
+    wt = Path(worktree).resolve()
     if top == "harness":
         raise RuntimeError(f"{target}: the op/reference cannot live in the 'harness' package (it is the harness's own)")
+    loaded = sys.modules.get(top)
+    if loaded is not None:
+        where = [Path(p).resolve() for p in (getattr(loaded, "__path__", None) or [getattr(loaded, "__file__", "") or ""])]
+        if not any(wt in p.parents for p in where):
+            # imported from elsewhere before isolation: drop it so the worktree's copy is used
+            for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+                del sys.modules[name]
     module = importlib.import_module(module_name)
     origin = Path(getattr(module, "__file__", "") or "").resolve()
-    wt = Path(worktree).resolve()
     if wt not in origin.parents:
         raise RuntimeError(f"{module_name} was imported from {origin}, not from the worktree {wt}")
     if not hasattr(module, fn):

@@ -1,8 +1,9 @@
 """Profile first: stage attribution of the untouched baseline and the Amdahl pre-gate.
 
 `profile_run` runs harness/profile_worker.py in a fresh process on the BASELINE worktree (side env
-and Triton cache from harness.bench.side_env) at the experiment's `profile.rows`, modes fwdbwd (and
-fwd when the experiment declares it), and writes `run_dir/profile.json`:
+and Triton cache from harness.bench.side_env) at the experiment's `profile.rows` (plus any Amdahl gate's row), modes fwdbwd (and
+fwd when the experiment declares it), and writes `run_dir/profile.json` (the worker's job, raw
+result and log go to run_dir/profile-work/):
 
     {schema, experiment, side: "baseline", sha, worktree, cpu_mode, device, versions, dtype, iters,
      warmup, timing {endpoint, l2_flush, device}, copy_bandwidth {bytes_per_s, buffer_bytes, ...},
@@ -87,13 +88,15 @@ def _finite(x: float | None) -> float | None:
 # --- what to measure ---------------------------------------------------------------------------
 
 def profile_shapes(loaded: LoadedExperiment, cpu_mode: bool) -> list[Shape]:
-    """The shapes of `profile.rows`: on CPU the `cpu:` profile's shape of the same name when there is
+    """The shapes of `profile.rows` and of every Amdahl gate's row: on CPU the `cpu:` profile's shape of the same name when there is
     one, else the declared shape."""
     exp = loaded.exp
     if exp.profile is None:
         raise ProfileError(f"experiment {exp.name!r} has no `profile:` section")
     cpu_shapes = {s.name: s for s in exp.cpu.shapes} if (cpu_mode and exp.cpu is not None) else {}
-    return [cpu_shapes.get(name) or exp.shape(name) for name in exp.profile.rows]
+    names = list(exp.profile.rows)
+    names += [g.row for g in amdahl_gates(loaded) if g.row not in names]  # a gated row is always profiled
+    return [cpu_shapes.get(name) or exp.shape(name) for name in names]
 
 
 def profile_modes(loaded: LoadedExperiment) -> list[str]:
@@ -343,7 +346,7 @@ def profile_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_root
     run_dir = Path(run_dir)
     base = revisions.baseline
     started = _now()
-    raw = measure(loaded, base.worktree, run_dir, Path(profile_root), cpu_mode, log)
+    raw = measure(loaded, base.worktree, run_dir / "profile-work", Path(profile_root), cpu_mode, log)
     record = build_record(loaded, raw, cpu_mode, side={"sha": base.sha, "ref": base.ref, "worktree": base.worktree})
     record.update(started=started, finished=_now())
     _write_json(run_dir / "profile.json", record)

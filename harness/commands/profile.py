@@ -41,19 +41,21 @@ def print_record(record: dict, top: int = 12, console=None) -> None:
                   f"{'  [CPU smoke test]' if record.get('cpu_mode') else ''}"
                   + (f"  copy bandwidth {bw / 1e9:.1f} GB/s (read+write)" if bw else ""))
     stages = list(record.get("stages") or {})
-    t = Table(title="stage shares (wall = endpoint, device = summed kernel time)")
-    for col in ["row", "endpoint ms", "device ms", *[f"{s} ms / wall / device" for s in stages],
-                "unassigned ms", "removable B", "floor ms"]:
-        t.add_column(col, justify="left" if col == "row" else "right")
     for r in record["rows"]:
         if r.get("error"):
-            t.add_row(r["row"], f"[red]{r['error']}[/]", *[""] * (len(stages) + 4))
+            console.print(f"[bold]{r['row']}[/]: [red]{r['error']}[/]")
             continue
-        cells = [f"{_ms(r['stages'][s]['ms'])} / {_pct(r['stages'][s]['share_wall'])} / {_pct(r['stages'][s]['share_device'])}"
-                 for s in stages]
-        t.add_row(r["row"], _ms(r["endpoint_ms"]), _ms(r["device_total_ms"]), *cells, _ms(r["unassigned_ms"]),
-                  f"{r.get('removable_bytes') or 0:.4g}", _ms(r.get("removable_floor_ms")))
-    console.print(t)
+        t = Table(title=f"{r['row']}: endpoint {_ms(r['endpoint_ms'])} ms (wall), kernels {_ms(r['device_total_ms'])} ms "
+                        f"(device), removable {r.get('removable_bytes') or 0:.4g} B = {_ms(r.get('removable_floor_ms'))} ms floor")
+        for col in ("stage", "ms", "share of wall", "share of device", "kernel names"):
+            t.add_column(col, justify="left" if col == "stage" else "right")
+        for s in stages:
+            st = r["stages"][s]
+            t.add_row(s, _ms(st["ms"]), _pct(st["share_wall"]), _pct(st["share_device"]), str(st["kernels"]))
+        t.add_row("[yellow]unassigned[/]", _ms(r["unassigned_ms"]), _pct(r["stage_share_wall"].get("unassigned")),
+                  _pct(r["stage_share_device"].get("unassigned")), str(len(r["unassigned"])))
+        t.add_row("host/gaps", _ms(r["gap_ms"]), _pct(r["stage_share_wall"].get("host/gaps")), "", "")
+        console.print(t)
     for r in record["rows"]:
         if r.get("error"):
             continue

@@ -518,3 +518,22 @@ def test_module_reader_uses_the_ncu_report_api(monkeypatch, tmp_path):
     k = ncu.kernel_metrics({"full": launches})["pkda_bwd_intra_kernel"]["metrics"]
     assert k["duration_ns"] == 2500 and k["registers_per_thread"] == 128 and k["dram_read_bytes"] == 4096
     assert k["dram_write_bytes"] is None
+
+
+def test_ncu_command_without_ncu_is_inconclusive(temp_repo):
+    """`harness ncu EXP` in a real temporary repository: revisions resolve, the record lands under
+    profile/<exp>/ncu/<timestamp>/, and a machine without ncu exits 3 (INCONCLUSIVE), no crash."""
+    import subprocess
+
+    temp_repo.branch("fast", work=2)
+    exp = temp_repo.experiment("ncu-cli", "fast", """\
+        - {kind: ncu, name: attribution, row: small, expect: [{stage: all, metric: launches, relation: candidate_at_most, value: 10}]}
+        """, extra="stages:\n  all: {baseline: [tanh], candidate: [tanh]}\nncu: {rows: [small], stages: [all]}\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HARNESS_NCU": "/nonexistent/ncu"}
+    res = subprocess.run([sys.executable, "-m", "harness", "ncu", str(exp), "--profile-root", str(temp_repo.root / "profile")],
+                         cwd=temp_repo.root, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert "ncu gate: INCONCLUSIVE" in res.stdout
+    [path] = list((temp_repo.root / "profile" / "ncu-cli" / "ncu").glob("*/ncu.json"))
+    rec = json.loads(path.read_text())
+    assert rec["gate"]["status"] is None and "ncu not found" in rec["gate"]["reason"]

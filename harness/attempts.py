@@ -125,8 +125,10 @@ def attempt_state(profile_root, exp) -> dict:
 experiment_state = attempt_state  # the name harness/run.py calls
 
 
-def _refresh_state(profile_root, exp_name: str, max_attempts: int) -> dict:
+def _refresh_state(profile_root, exp_name: str, max_attempts: int | None) -> dict:
     st = read_state_file(profile_root, exp_name)
+    if max_attempts is None:  # keep the experiment's limit from an earlier call, else the schema default
+        max_attempts = int(st.get("max_attempts") or 3)
     computed = compute_state(read_log(profile_root, exp_name), max_attempts)
     if st.get("state") == TERMINAL_NO_GO:
         st.update({k: v for k, v in computed.items() if k not in ("state", "reason")})
@@ -147,7 +149,7 @@ def cap_verdict(state: dict, verdict: str) -> tuple[str, str | None]:
 
 
 def record_attempt(profile_root, exp_name: str, sha: str, note: str, verdict: str, failing_gates: list[str],
-                   run_id: str | None, max_attempts: int = 3, measured_verdict: str | None = None) -> dict:
+                   run_id: str | None, max_attempts: int | None = None, measured_verdict: str | None = None) -> dict:
     """Append one attempt and refresh state.json; returns the logged entry."""
     entry = {"type": "attempt", "t": _now(), "run_id": run_id, "sha": sha, "note": note or "",
              "verdict": verdict, "measured_verdict": measured_verdict or verdict,
@@ -158,14 +160,15 @@ def record_attempt(profile_root, exp_name: str, sha: str, note: str, verdict: st
     return entry
 
 
-def reopen(profile_root, exp_name: str, reason: str, run_id: str | None = None, max_attempts: int = 3) -> dict:
+def reopen(profile_root, exp_name: str, reason: str, run_id: str | None = None, max_attempts: int | None = None) -> dict:
     """Log an explicit reopen (a new window of max_attempts); refused on a terminal NO-GO or without a reason."""
     if not reason or not reason.strip():
         raise AttemptError("reopen needs a reason (it is logged and shown in the report)")
     term = _terminal(profile_root, exp_name)
     if term is not None:
         raise AttemptError(f"{exp_name} is TERMINAL_NO_GO ({term.get('reason')}); a red baseline cannot be reopened")
-    before = compute_state(read_log(profile_root, exp_name), max_attempts)
+    limit = max_attempts or int(read_state_file(profile_root, exp_name).get("max_attempts") or 3)
+    before = compute_state(read_log(profile_root, exp_name), limit)
     entry = {"type": "reopen", "t": _now(), "run_id": run_id, "reason": reason.strip(),
              "state_before": before["state"], "distinct_before": before["distinct_attempts"]}
     append_jsonl(log_path(profile_root, exp_name), entry)

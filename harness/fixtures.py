@@ -140,7 +140,9 @@ def load_freeze(profile_root, exp_name: str) -> FreezeRecord | None:
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    from harness.oracle_worker import _json_safe  # inf/nan as strings: records stay strict JSON
+
+    tmp.write_text(json.dumps(_json_safe(json.loads(json.dumps(data, default=str))), indent=2, sort_keys=True))
     tmp.replace(path)
 
 

@@ -141,7 +141,8 @@ def run_experiment(loaded: LoadedExperiment, opts: RunOptions, log: Callable[[st
 
     terminal = _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
     if terminal is None:
-        _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+        terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+    if terminal is None:
         run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
         _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
 
@@ -168,38 +169,48 @@ def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
     return None
 
 
-def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
-    if loaded.exp.profile is None or (run_dir / "profile.json").exists():
-        return
-    try:
-        from harness import profile
-    except ImportError:
-        return
-    profile.profile_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
+def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | None:
+    """Stage attribution of the baseline; a failed Amdahl pre-gate stops the run (terminal NO-GO)."""
+    if loaded.exp.profile is None:
+        return None
+    from harness import profile
+
+    path = run_dir / "profile.json"
+    record = json.loads(path.read_text()) if path.exists() else \
+        profile.profile_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
+    gate = (record or {}).get("gate") or {}
+    if gate.get("status") == "FAIL" and not cpu_mode:
+        return f"Amdahl pre-gate failed: {gate.get('reason')}"
+    return None
 
 
 def _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
     if cpu_mode or loaded.exp.ncu is None or (run_dir / "ncu.json").exists():
         return
-    try:
-        from harness import ncu
-    except ImportError:
-        return
+    from harness import ncu
+
     ncu.ncu_run(loaded, revisions, run_dir, opts.profile_root, log=log)
 
 
 def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict]:
-    from harness import analyse, report
+    """Analyse, cap the verdict by the attempt budget, publish the report, log the attempt."""
+    from harness import analyse, attempts, report
 
+    aa = json.loads((run_dir / "run.json").read_text()).get("aa", False)
     data = analyse.build_report(loaded, run_dir, terminal=terminal)
+    if not aa:
+        # A STOPPED experiment still measures, but cannot publish GO without a logged --reopen.
+        if opts.reopen:
+            attempts.reopen(opts.profile_root, loaded.exp.name, opts.reopen, run_id=run_dir.name,
+                            max_attempts=loaded.exp.max_attempts)
+        state = attempts.attempt_state(opts.profile_root, loaded.exp)
+        capped, reason = attempts.cap_verdict(state, data["verdict"])
+        if capped != data["verdict"]:
+            data = analyse.build_report(loaded, run_dir, terminal=reason)
     out_dir = opts.reports_root / loaded.exp.name / run_dir.name
     analyse.write_report(data, out_dir)
+    if not aa:
+        attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note)
     report.render_index(opts.reports_root)
-    verdict = data["verdict"]["verdict"] if isinstance(data["verdict"], dict) else data["verdict"]
-    if loaded.exp.fixtures is not None or True:
-        from harness import attempts
-
-        if not json.loads((run_dir / "run.json").read_text()).get("aa"):
-            attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note, reopen=opts.reopen)
-    log(f"verdict: {verdict}  report: {out_dir / 'index.html'}")
-    return verdict, out_dir, data
+    log(f"verdict: {data['verdict']}  report: {out_dir / 'index.html'}")
+    return data["verdict"], out_dir, data

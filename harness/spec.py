@@ -149,6 +149,17 @@ class StagePatterns(Strict):
         return v
 
 
+def check_bytes_expr(v: str) -> str:
+    """A byte-count expression must parse with the gates' safe evaluator (no code is ever run)."""
+    from harness.gates import ExprError, eval_bytes_expr  # lazy: gates imports this module
+
+    try:
+        eval_bytes_expr(v, {n: 1 for n in ("B", "T", "H", "K", "V", "tokens", "NK", "NT")})
+    except ExprError as e:
+        raise ValueError(f"expected an arithmetic expression over B, T, H, K, V, tokens, NK, NT: {e}") from e
+    return v
+
+
 class _Gate(Strict):
     name: str
     description: str = ""
@@ -192,9 +203,7 @@ class PeakAllocGate(_Gate):
     @field_validator("min_reduction_bytes")
     @classmethod
     def _expr(cls, v: str) -> str:
-        if not re.fullmatch(r"[0-9A-Za-z_+*/() .-]+", v):
-            raise ValueError("expected an arithmetic expression over B, T, H, K, V, tokens, NK, NT")
-        return v
+        return check_bytes_expr(v)
 
 
 class CorrectnessGate(_Gate):
@@ -262,6 +271,11 @@ class Removable(Strict):
     name: str
     bytes: str  # expression over B, T, H, K, V, tokens, NK, NT
     passes: int = Field(default=2, gt=0)  # 2 = written once, read once
+
+    @field_validator("bytes")
+    @classmethod
+    def _expr(cls, v: str) -> str:
+        return check_bytes_expr(v)
 
 
 class ProfileSpec(Strict):

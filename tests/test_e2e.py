@@ -57,7 +57,7 @@ def test_faster_candidate_is_go(temp_repo):
     res = run_exp(temp_repo, exp)
     assert res.returncode == 0, res.stdout + res.stderr
     report, _ = only_report(temp_repo, "fast-cand")
-    assert report["verdict"]["verdict"] == "GO"
+    assert report["verdict"] == "GO"
     # both sides came from their own worktrees at the pinned SHAs
     prov = report["provenance"]["revisions"]
     assert prov["baseline"]["sha"] == temp_repo.baseline_sha

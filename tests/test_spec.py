@@ -91,3 +91,11 @@ def test_cli_validate_exit_codes(tmp_path, capsys):
     assert main(["validate", str(good)]) == 2
     err = capsys.readouterr().err
     assert "exp.yaml:9: modes[1]" in err and "fwdbwd" in err
+
+
+def test_byte_expression_is_checked_at_load(tmp_path):
+    gate = "\n  - {kind: peak_alloc, name: peak, rows: [dense], mode: fwd, min_reduction_bytes: \"__import__('os').getcwd()\"}\n"
+    msg = errors(tmp_path, GOOD.rstrip("\n") + gate)
+    assert "gates[2].peak_alloc.min_reduction_bytes" in msg and "arithmetic expression" in msg
+    ok = "\n  - {kind: peak_alloc, name: peak, rows: [dense], mode: fwd, min_reduction_bytes: '4*B*T*H*64 + 4*NK*B*T*H'}\n"
+    assert load_experiment(write(tmp_path, GOOD.rstrip("\n") + ok)).exp.gates[2].min_reduction_bytes.startswith("4*B")

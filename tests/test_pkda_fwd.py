@@ -296,3 +296,20 @@ def test_grids_keep_y_z_small_for_many_sequences_x_heads():
     assert F_.grid_intra(N * 2, H)[0] == N * 2 * H
     with pytest.raises(ValueError, match="exceeds CUDA limits"):
         F_.grid_o(2 ** 30, 4, 128, 64)
+
+
+def test_stage_intra_strong_gates_exact_path():
+    """Gates strong enough that the diagonal blocks' middle-reference bound is exceeded:
+    the kernel falls back to the exact element-wise path; still matches the reference."""
+    B, T, H, K, V = 1, 64, 1, 64, 64
+    d = make(B, T, H, K, V, seed=8)
+    d["g"] = d["g"] * 20  # per-token log decays down to about -100
+    lay = R.make_layout(B, T, None, "cpu")
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    assert ra["G"].min() < -200
+    got = F_.fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay, store_akk=True)
+    ref = R.ref_fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay)
+    for t, name in zip(got, ("Aqk", "Tinv", "W", "U", "Akk")):
+        assert torch.isfinite(t).all(), name
+        assert rel(t, ref[name]) < 1e-5, name

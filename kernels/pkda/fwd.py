@@ -46,6 +46,9 @@ GRID_X_MAX = 2 ** 31 - 1
 GRID_YZ_MAX = 65535
 BT = CHUNK
 BC = SUB
+# precision of the fp32 dots of fwd.intra's diagonal blocks (None: ieee for fp32 inputs,
+# tf32 for bf16/fp16 inputs)
+DIAG_PREC = None
 
 
 def _configs(space):
@@ -270,7 +273,32 @@ def _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr, sj
 
 @triton.jit
 def _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr,
-                K: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr):
+                K: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, PREC32: tl.constexpr):
+    # rows and columns in the same sub-chunk. Fast path: reference point G_m at the middle
+    # row, exp(G_r - G_j) = exp(G_r - G_m) * exp(G_m - G_j), two fp32 tensor-core dots; its
+    # exponents are bounded by the gate sum over half a sub-chunk. When that bound exceeds
+    # DIAG_MAX_EXP (strong gates), the exact element-wise path runs instead.
+    o = tl.arange(0, BC)
+    m_i = (si * BC + o) < Lc
+    ref = tl.minimum(si * BC + BC // 2, Lc - 1)
+    b_gm = tl.load(G + ((T0 + ref) * H + i_h) * K + tl.arange(0, K))
+    b_x = tl.where(m_i[:, None], _tile(G, T0, si * BC, Lc, H, i_h, K, BC) - b_gm[None, :], 0.)
+    if tl.max(tl.max(tl.abs(b_x), 1), 0) > 40.:
+        b_Akk, b_Aqk = _intra_diag_exact(q, k, p, G, beta, T0, Lc, H, i_h, scale, si, K, BC, BKD)
+    else:
+        b_e = tl.exp(b_x)
+        b_pgT = tl.trans(_tile(p, T0, si * BC, Lc, H, i_h, K, BC) * tl.exp(-b_x))
+        b_Akk = tl.dot(_tile(k, T0, si * BC, Lc, H, i_h, K, BC) * b_e, b_pgT, input_precision=PREC32)
+        b_Aqk = tl.dot(_tile(q, T0, si * BC, Lc, H, i_h, K, BC) * b_e, b_pgT, input_precision=PREC32)
+        b_beta = _col(beta, T0, si * BC, Lc, H, i_h, BC)
+        b_Akk = tl.where((o[:, None] > o[None, :]) & m_i[:, None], b_Akk * b_beta[:, None], 0.)
+        b_Aqk = tl.where((o[:, None] >= o[None, :]) & m_i[:, None], b_Aqk * scale, 0.)
+    return b_Akk, b_Aqk
+
+
+@triton.jit
+def _intra_diag_exact(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr,
+                      K: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr):
     # rows and columns in the same sub-chunk: exact, from the masked difference G_r - G_j
     # (j <= r, exponent <= 0), as a [BC, BC, BKD] broadcast per slice of BKD channels.
     o = tl.arange(0, BC)
@@ -338,7 +366,8 @@ def _store_rows(ptr, val, T0, Lc, H, i_h, si: tl.constexpr, D: tl.constexpr, BC:
 @triton.jit
 def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_indices, scale, H,
                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          BKD: tl.constexpr, STORE_AKK: tl.constexpr, PREC: tl.constexpr):
+                          BKD: tl.constexpr, STORE_AKK: tl.constexpr, PREC: tl.constexpr,
+                          PREC32: tl.constexpr):
     # one program per (chunk, head): Akk, Aqk on 4x4 sub-chunk blocks, Tinv = (I+Akk)^-1 by
     # block forward substitution, W = Tinv diag(beta)(K*Gamma), U = Tinv diag(beta) V.
     DT: tl.constexpr = k.dtype.element_ty
@@ -352,10 +381,10 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
     T0 = bos + i_t * BT
     Lc = tl.minimum(eos - T0, BT)
 
-    A00, Q00 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD)
-    A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD)
-    A22, Q22 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD)
-    A33, Q33 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD)
+    A00, Q00 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
+    A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD, PREC32)
+    A22, Q22 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD, PREC32)
+    A33, Q33 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD, PREC32)
     A10, Q10 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, 0, K, BC, DT, PREC)
     A20, Q20 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 0, K, BC, DT, PREC)
     A21, Q21 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 1, K, BC, DT, PREC)
@@ -457,7 +486,8 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
     if layout.NT:
         pkda_fwd_intra_kernel[grid_intra(layout.NT, H)](
             q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, layout.cu, layout.chunk_indices, scale, H,
-            K=K, V=V, BT=BT, BC=BC, BKD=16, STORE_AKK=store_akk, PREC=_dot_prec(k.dtype))
+            K=K, V=V, BT=BT, BC=BC, BKD=16, STORE_AKK=store_akk, PREC=_dot_prec(k.dtype),
+            PREC32=_dot_prec(k.dtype) if DIAG_PREC is None else DIAG_PREC)
     return Aqk, Tinv, W, U, Akk
 
 

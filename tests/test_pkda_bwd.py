@@ -1,0 +1,325 @@
+"""PKDA backward: PyTorch reference by stages and Triton backward (CPU interpreter, fp32)
+against fp64 torch autograd through the naive token recurrence; per-stage Triton vs
+reference; varlen vs one-by-one; the dAqk schedule guard and the on-chip schedule."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.pkda import reference as R
+from kernels.pkda import reference_bwd as RB
+from kernels.pkda.naive import _recurrence, l2norm, naive_recurrent_precond_kda
+
+bwd = pytest.importorskip("kernels.pkda.bwd")
+
+X, EPS = 1.5, 1e-6
+NAMES = ("q", "k", "v", "g", "g_atk", "beta_atk", "beta", "log_atk_scale", "initial_state",
+         "initial_A_state")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Small tensors on 2 shared cores: intra-op threads only add contention."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make(B, T, H, K, V, cu=None, states=True, dfin=True, seed=0, dtype=torch.float32):
+    """Normalised q, k and every other input, plus do / dht / dat."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    N = B if cu is None else len(cu) - 1
+    d = dict(q=l2norm(r(B, T, H, K)), k=l2norm(r(B, T, H, K)), v=r(B, T, H, V),
+             g=F.logsigmoid(r(B, T, H, K)), g_atk=F.logsigmoid(r(B, T, H)),
+             beta_atk=torch.sigmoid(r(B, T, H)), beta=torch.sigmoid(r(B, T, H)),
+             log_atk_scale=r(H),
+             initial_state=r(N, H, K, V) if states else None,
+             initial_A_state=torch.rand(N, H, K, generator=gen, dtype=torch.float64) if states else None,
+             do=r(B, T, H, V), dht=r(N, H, K, V) if dfin else None,
+             dat=r(N, H, K) if dfin else None)
+    d = {n: (t.to(dtype) if t is not None else None) for n, t in d.items()}
+    d["cu"] = None if cu is None else torch.tensor(cu, dtype=torch.long)
+    d["scale"] = K ** -0.5
+    return d
+
+
+def bwd_args(d):
+    return (d["q"], d["k"], d["v"], d["g"], d["g_atk"], d["beta_atk"], d["beta"],
+            d["log_atk_scale"], d["scale"], X, EPS, d["initial_state"], d["initial_A_state"],
+            d["cu"], d["do"], d["dht"], d["dat"])
+
+
+def oracle(d):
+    """fp64 autograd through the naive token recurrence (q, k taken as already normalised)."""
+    B, T, H, K = d["q"].shape
+    leaves = {n: d[n].double().clone().requires_grad_(True) for n in NAMES if d[n] is not None}
+    g = lambda n: leaves.get(n)  # noqa: E731
+    cu = d["cu"]
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else \
+        [(0, int(cu[n]), int(cu[n + 1])) for n in range(len(cu) - 1)]
+    V = d["v"].shape[-1]
+    loss = 0.
+    for n, (b, s, e) in enumerate(bounds):
+        sl = (slice(b, b + 1), slice(s, e))
+        S0 = g("initial_state")[n][None] if g("initial_state") is not None else \
+            torch.zeros(1, H, K, V, dtype=torch.float64)
+        a0 = g("initial_A_state")[n][None] if g("initial_A_state") is not None else \
+            torch.zeros(1, H, K, dtype=torch.float64)
+        o, S, a = _recurrence(*(leaves[m][sl] for m in ("q", "k", "v", "g", "g_atk", "beta_atk",
+                                                        "beta")),
+                              d["scale"], S0, a0, leaves["log_atk_scale"], math.log(X), EPS)
+        loss = loss + (o * d["do"][sl].double()).sum()
+        if d["dht"] is not None:
+            loss = loss + (S[0] * d["dht"][n].double()).sum() + (a[0] * d["dat"][n].double()).sum()
+    loss.backward()
+    return {n: t.grad for n, t in leaves.items()}
+
+
+def saved_from_reference(d):
+    """The recompute tensors from the chunked PyTorch forward reference (fast on CPU)."""
+    B, T = d["q"].shape[:2]
+    lay = R.make_layout(B, T, d["cu"], "cpu")
+    atk = R.ref_fwd_atk(d["k"], d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay,
+                        d["initial_A_state"], x=X, eps=EPS)
+    it = R.ref_fwd_intra(d["q"], d["k"], d["v"], atk["p"], atk["G"], d["beta"], d["scale"], lay)
+    hs = R.ref_fwd_h(it["W"], it["U"], atk["p"], atk["G"], lay, d["initial_state"])
+    return dict(a=atk["a"], p=atk["p"], G=atk["G"], Aqk=it["Aqk"], Tinv=it["Tinv"], W=it["W"],
+                U=it["U"], h=hs["h"], Delta=hs["Delta"])
+
+
+def check(out, ref, tol, skip=()):
+    errs = {}
+    for n in NAMES:
+        if n in skip:
+            continue
+        if ref.get(n) is None:
+            assert out[n] is None, n
+            continue
+        assert out[n].shape == ref[n].shape, (n, out[n].shape, ref[n].shape)
+        errs[n] = rel(out[n], ref[n])
+    bad = {n: e for n, e in errs.items() if not e < tol}
+    assert not bad, f"rel errors above {tol}: {bad} (all: {errs})"
+
+
+# --------------------------------------------------------------------------- reference bwd
+@pytest.mark.parametrize("B,T,H,K,V,cu,states,dfin", [
+    (2, 100, 2, 64, 64, None, True, True),
+    (2, 100, 2, 64, 64, None, True, False),
+    (1, 130, 1, 64, 128, None, False, False),
+    (1, 90, 2, 128, 64, [0, 17, 81, 90], True, True),
+])
+def test_reference_bwd_matches_fp64_autograd(B, T, H, K, V, cu, states, dfin):
+    d = make(B, T, H, K, V, cu, states, dfin, dtype=torch.float64)
+    out = RB.pkda_bwd_reference(*bwd_args(d))
+    check(out, oracle(d), 1e-10)
+
+
+def test_reference_bwd_detects_a_missing_term():
+    """The tolerance is meaningful: dropping the last-row gate term breaks dg."""
+    d = make(1, 70, 1, 64, 64, dtype=torch.float64)
+    ref = oracle(d)
+    orig = RB.chunk_reverse_cumsum
+    try:
+        RB.chunk_reverse_cumsum = lambda dG: orig(dG * 0.999)
+        out = RB.pkda_bwd_reference(*bwd_args(d))
+    finally:
+        RB.chunk_reverse_cumsum = orig
+    assert rel(out["g"], ref["g"]) > 1e-4
+
+
+# --------------------------------------------------------------------------- Triton bwd
+TRITON_CASES = [
+    (2, 100, 2, 64, 64, None, True, True),
+    (2, 100, 2, 64, 64, None, True, False),
+    (1, 70, 1, 64, 128, None, True, True),
+    (1, 100, 1, 128, 64, None, False, False),
+    (1, 150, 1, 64, 128, [0, 30, 97, 150], True, True),
+    (1, 80, 1, 128, 64, [0, 10, 70], False, True),   # tokens 70..79 belong to no sequence
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,cu,states,dfin", TRITON_CASES)
+def test_triton_bwd_matches_fp64_autograd(B, T, H, K, V, cu, states, dfin):
+    d = make(B, T, H, K, V, cu, states, dfin)
+    out = bwd.pkda_bwd(*bwd_args(d), saved=saved_from_reference(d), schedule="materialised")
+    for n in NAMES:
+        if out[n] is not None:
+            assert out[n].dtype == torch.float32
+    check(out, oracle(d), 2e-5)
+    if cu is not None and cu[-1] < T:
+        for n in ("q", "k", "v", "g", "g_atk", "beta_atk", "beta"):
+            assert out[n][:, cu[-1]:].abs().max() == 0, n
+
+
+def test_triton_bwd_with_forward_recompute():
+    """bwd.recompute through the forward's own Triton stage launchers (no `saved`)."""
+    pytest.importorskip("kernels.pkda.fwd")
+    d = make(1, 70, 1, 64, 64, [0, 20, 70])
+    out = bwd.pkda_bwd(*bwd_args(d), schedule="materialised")
+    check(out, oracle(d), 2e-5)
+
+
+def test_triton_varlen_equals_sequences_one_by_one():
+    cu = [0, 40, 45, 120]
+    d = make(1, 120, 1, 64, 64, cu)
+    out = bwd.pkda_bwd(*bwd_args(d), saved=saved_from_reference(d), schedule="materialised")
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        dn = dict(d, cu=None)
+        for m in ("q", "k", "v", "g", "g_atk", "beta_atk", "beta", "do"):
+            dn[m] = d[m][:, s:e].contiguous()
+        for m in ("initial_state", "initial_A_state", "dht", "dat"):
+            dn[m] = d[m][n:n + 1].contiguous()
+        o1 = bwd.pkda_bwd(*bwd_args(dn), saved=saved_from_reference(dn), schedule="materialised")
+        for m in ("q", "k", "v", "g", "g_atk", "beta_atk", "beta"):
+            torch.testing.assert_close(out[m][:, s:e], o1[m], rtol=1e-5, atol=1e-6)
+        for m in ("initial_state", "initial_A_state"):
+            torch.testing.assert_close(out[m][n:n + 1], o1[m], rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- per stage
+def _ref_stages(d):
+    """Reference stages on every sequence, assembled into the Triton layouts."""
+    B, T, H, K = d["q"].shape
+    V = d["v"].shape[-1]
+    lay = R.make_layout(B, T, d["cu"], "cpu")
+    dd = {n: (t.double() if torch.is_tensor(t) and t.is_floating_point() else t) for n, t in d.items()}
+    z = lambda *s: torch.zeros(*s, dtype=torch.float64)  # noqa: E731
+    S = dict(dAqk=z(B, T, H, 64), dv_loc=z(B, T, H, V), dE=z(lay.NT, H, K, V), dDelta=z(B, T, H, V),
+             dS0=z(lay.N, H, K, V), dAkk=z(B, T, H, 64), dG_all=z(B, T, H, K), dg=z(B, T, H, K),
+             dk_final=z(B, T, H, K), dg_atk=z(B, T, H), dbeta_atk=z(B, T, H), dc=z(H),
+             da0=z(lay.N, H, K))
+    for n in ("dq", "dk", "dp", "dG", "dv", "dbeta"):
+        S["wy_" + n] = z(*(d["beta"].shape if n == "dbeta" else d["v" if n == "dv" else "q"].shape))
+        if n != "dv":
+            S["in_" + n] = torch.zeros_like(S["wy_" + n])
+    ch = 0
+    for n, (s, e) in enumerate(lay.bounds):
+        b, s0, e0 = (s // T, s % T, s % T + (e - s)) if d["cu"] is None else (0, s, e)
+        tr = lambda t: t[b, s0:e0].transpose(0, 1)  # noqa: E731
+        q, k, v, g, ga, ba, be, do = (tr(dd[m]) for m in ("q", "k", "v", "g", "g_atk", "beta_atk",
+                                                         "beta", "do"))
+        S0 = dd["initial_state"][n] if dd["initial_state"] is not None else z(H, K, V)
+        a0 = dd["initial_A_state"][n] if dd["initial_A_state"] is not None else z(H, K)
+        rc = RB.recompute(q, k, v, g, ga, ba, be, dd["log_atk_scale"], d["scale"], X, EPS, S0, a0)
+        dAqk, dv_loc = RB.dAv(do, rc, d["scale"])
+        dht = dd["dht"][n] if dd["dht"] is not None else None
+        dE, dDelta, dS0 = RB.dhu(q, rc, do, dv_loc, dht, d["scale"])
+        wy = RB.wy_dqkg(q, k, v, be, rc, dE, dDelta, do, d["scale"])
+        it = RB.intra(q, k, be, rc, dAqk, wy["dAkk"])
+        dG = wy["dG"] + it["dG"]
+        at = RB.atk(k, ga, ba, rc, wy["dp"] + it["dp"], X, EPS, a0,
+                    dd["dat"][n] if dd["dat"] is not None else None)
+        back = lambda t: t.transpose(0, 1)  # noqa: E731
+        for i, (cs, ce) in enumerate(RB._chunks(e0 - s0)):
+            L = ce - cs
+            S["dAqk"][b, s0 + cs:s0 + ce, :, :L] = back(dAqk[i])
+            S["dAkk"][b, s0 + cs:s0 + ce, :, :L] = back(wy["dAkk"][i])
+            S["dE"][ch + i] = dE[i]
+        ch += len(RB._chunks(e0 - s0))
+        S["dv_loc"][b, s0:e0], S["dDelta"][b, s0:e0], S["dS0"][n] = back(dv_loc), back(dDelta), dS0
+        for m in ("dq", "dk", "dp", "dG", "dv", "dbeta"):
+            S["wy_" + m][b, s0:e0] = back(wy[m])
+            if m != "dv":
+                S["in_" + m][b, s0:e0] = back(it[m])
+        S["dG_all"][b, s0:e0], S["dg"][b, s0:e0] = back(dG), back(RB.chunk_reverse_cumsum(dG))
+        S["dk_final"][b, s0:e0] = back(wy["dk"] + it["dk"] + at["dk"])
+        S["dg_atk"][b, s0:e0], S["dbeta_atk"][b, s0:e0] = back(at["dg_atk"]), back(at["dbeta_atk"])
+        S["dc"] += at["dc"]
+        S["da0"][n] = at["da0"]
+    return S
+
+
+@pytest.mark.parametrize("B,T,H,K,V,cu", [(1, 100, 2, 64, 128, None),
+                                          (1, 100, 1, 128, 64, [0, 33, 100])])
+def test_triton_stages_match_reference_stages(B, T, H, K, V, cu):
+    d = make(B, T, H, K, V, cu)
+    S = _ref_stages(d)
+    sv = saved_from_reference(d)
+    lay = bwd._layout(B, T, d["cu"], "cpu")
+    sc = d["scale"]
+    tol = 2e-5
+    dAqk, dv_loc = bwd.bwd_dAv(d["do"], sv["Delta"], sv["Aqk"], sc, lay)
+    assert rel(dAqk, S["dAqk"]) < tol and rel(dv_loc, S["dv_loc"]) < tol
+    dE, dDelta, dS0 = bwd.bwd_dhu(d["q"], sv["p"], sv["G"], sv["W"], d["do"], dv_loc, d["dht"], sc, lay)
+    assert rel(dE, S["dE"]) < tol and rel(dDelta, S["dDelta"]) < tol and rel(dS0, S["dS0"]) < tol
+    gr = bwd.bwd_wy_dqkg(d["q"], d["k"], d["v"], sv["p"], sv["G"], d["beta"], sv["Tinv"], sv["h"],
+                         dE, sv["Delta"], dDelta, d["do"], sc, lay)
+    for m in ("dq", "dk", "dp", "dG", "dv", "dbeta"):
+        assert rel(gr[m], S["wy_" + m]) < tol, m
+    assert rel(gr["dAkk"], S["dAkk"]) < tol
+    wy = {m: gr[m].clone() for m in ("dq", "dk", "dp", "dG", "dbeta")}
+    gr = bwd.bwd_intra(d["q"], d["k"], sv["p"], sv["G"], d["beta"], dAqk, gr["dAkk"], gr, lay)
+    for m in ("dq", "dk", "dp", "dG", "dbeta"):
+        assert rel(gr[m] - wy[m], S["in_" + m]) < tol, m
+    dg = bwd.bwd_dg(gr["dG"], lay)
+    assert rel(dg, S["dg"]) < tol
+    c = d["log_atk_scale"]
+    at = bwd.bwd_atk(d["k"], sv["a"], d["g_atk"], d["beta_atk"], c, gr["dp"], gr["dk"],
+                     d["initial_A_state"], d["dat"], X, EPS, lay)
+    assert rel(gr["dk"], S["dk_final"]) < tol
+    for m in ("dg_atk", "dbeta_atk", "dc", "da0"):
+        assert rel(at[m], S[m]) < tol, m
+
+
+# --------------------------------------------------------------------------- the public op
+def test_op_gradients_match_naive_fp64():
+    op = pytest.importorskip("kernels.pkda.op")
+    B, T, H, K, V = 1, 70, 1, 64, 64
+    d = make(B, T, H, K, V, [0, 25, 70], dtype=torch.float64)
+    raw = dict(q=torch.randn(B, T, H, K, dtype=torch.float64),
+               k=torch.randn(B, T, H, K, dtype=torch.float64))
+    names = ("q", "k", "v", "g", "g_atk", "beta_atk", "beta", "log_atk_scale", "initial_state",
+             "initial_A_state")
+    src = dict(d, **raw)
+
+    def run(dtype, fn, **kw):
+        leaves = {n: src[n].to(dtype).clone().requires_grad_(True) for n in names}
+        o, S, a = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["g_atk"],
+                     leaves["beta_atk"], leaves["beta"], initial_state=leaves["initial_state"],
+                     initial_A_state=leaves["initial_A_state"], output_final_state=True,
+                     cu_seqlens=d["cu"], log_atk_scale=leaves["log_atk_scale"], **kw)
+        loss = ((o * d["do"].to(dtype)).sum() + (S * d["dht"].to(S.dtype)).sum()
+                + (a * d["dat"].to(a.dtype)).sum())
+        loss.backward()
+        return {n: t.grad for n, t in leaves.items()}
+
+    ref = run(torch.float64, naive_recurrent_precond_kda, compute_dtype=torch.float64)
+    out = run(torch.float32, op.chunk_precond_kda)
+    check(out, ref, 5e-5)
+
+
+# --------------------------------------------------------------------------- the dAqk schedule
+def test_daqk_schedule_guard(monkeypatch):
+    s = bwd.daqk_schedule
+    cpu = torch.device("cpu")
+    on = {"PKDA_DAQK_ONCHIP": "1", "TRITON_INTERPRET": "1"}
+    assert s(cpu, torch.float32, 128, 128, env={}) == "materialised"
+    assert s(cpu, torch.float32, 128, 128, env={"TRITON_INTERPRET": "1"}) == "materialised"
+    assert s(cpu, torch.float32, 128, 128, env=on) == "onchip"
+    assert s(cpu, torch.bfloat16, 64, 128, env=on) == "onchip"
+    assert s(cpu, torch.float32, 256, 128, env=on) == "materialised"
+    assert s(cpu, torch.float32, 128, 256, env=on) == "materialised"
+    assert s(cpu, torch.float64, 64, 64, env=on) == "materialised"
+    # without the interpreter: only CUDA with capability in the explicit set, fp16/bf16
+    hw = {"PKDA_DAQK_ONCHIP": "1"}
+    assert s(cpu, torch.bfloat16, 128, 128, env=hw) == "materialised"
+    cuda = torch.device("cuda", 0)
+    for cap, dt, want in [((9, 0), torch.bfloat16, "onchip"), ((9, 0), torch.float16, "onchip"),
+                          ((9, 0), torch.float32, "materialised"),
+                          ((10, 3), torch.bfloat16, "materialised"),
+                          ((8, 0), torch.bfloat16, "materialised")]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None, c=cap: c)
+        assert s(cuda, dt, 128, 128, env=hw) == want, (cap, dt)
+        assert s(cuda, dt, 128, 128, env={}) == "materialised"

@@ -151,54 +151,117 @@ def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype=
 
 
 # ============================================================================ fwd.atk
-@triton.autotune(configs=_configs([({"BK": 32}, 4, 1), ({"BK": 16}, 2, 1)]), key=["H", "K"])
+# Chunk-parallel diagonal scan, three kernels (all inside stage fwd.atk):
+#   local: per chunk, Ga = cumsum(g_atk), end_c = sum_j exp(Ga_last - Ga_j) beta_atk_j k_j^2,
+#          decay_c = exp(Ga_last); also G = cumsum(g) (chunk-local, per channel)
+#   carry: per (sequence, head, K block), a_in of every chunk: a <- decay_c a + end_c
+#   out:   per chunk, a_r = exp(Ga_r) a_in + sum_{j<=r} exp(Ga_r - Ga_j) beta_atk_j k_j^2,
+#          then r, m, p = k m
+def grid_atk_chunks(NT, H, K, BK):
+    return _check_grid((NT * H * (K // BK), 1, 1))
+
+
 @triton.jit
-def pkda_fwd_atk_kernel(k, g, g_atk, beta_atk, c, a0, p, G, a_out, a_fin, cu, log_x, eps, H,
-                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                        HAS_A0: tl.constexpr, STORE_A: tl.constexpr, STORE_FINAL: tl.constexpr):
-    # one program per (sequence, head, K block), looping over the sequence's chunks:
-    # a_r = exp(Ga_r) a_in + sum_{j<=r} exp(Ga_r - Ga_j) beta_atk_j k_j^2  (Ga: chunk cumsum)
+def _chunk_of(cu, chunk_indices, i_c, BT: tl.constexpr):
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    T0 = bos + i_t * BT
+    return i_n, T0, tl.minimum(eos - T0, BT)
+
+
+@triton.autotune(configs=_configs([({"BK": 32}, 4, 1), ({"BK": 64}, 4, 1)]), key=["H", "K"])
+@triton.jit
+def pkda_fwd_atk_local_kernel(k, g, g_atk, beta_atk, G, a_end, decay, cu, chunk_indices, H,
+                              K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    NK: tl.constexpr = K // BK
+    pid = tl.program_id(0)
+    i_k = pid % NK
+    i_ch = pid // NK
+    i_h = i_ch % H
+    i_c = i_ch // H
+    i_n, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = o_t < Lc
+    rows = T0 + o_t
+    ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_g = tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+    tl.store(G + ptr, tl.cumsum(b_g, 0), mask=m_t[:, None])
+    b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_Ga = tl.cumsum(b_ga, 0)
+    b_last = tl.sum(b_ga, 0)
+    b_w = tl.where(m_t, tl.exp(tl.where(m_t, b_last - b_Ga, 0.)) * b_ba, 0.)
+    st = i_c.to(tl.int64) * H + i_h
+    tl.store(a_end + st * K + o_k, tl.sum(b_w[:, None] * b_k * b_k, 0))
+    if i_k == 0:
+        tl.store(decay + st, tl.exp(b_last))
+
+
+@triton.autotune(configs=_configs([({"BK": 64}, 2, 1)]), key=["H", "K"])
+@triton.jit
+def pkda_fwd_atk_carry_kernel(a_end, decay, a0, a_fin, cu, chunk_offsets, H, K: tl.constexpr,
+                              BT: tl.constexpr, BK: tl.constexpr, HAS_A0: tl.constexpr,
+                              STORE_FINAL: tl.constexpr):
+    # in place: a_end[c] (local end value of chunk c) becomes a_in[c] (state entering chunk c)
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     i_k = pid % NK
     i_nh = pid // NK
     i_h = i_nh % H
     i_n = i_nh // H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    L = eos - bos
     o_k = i_k * BK + tl.arange(0, BK)
-    o_t = tl.arange(0, BT)
     st = (i_n.to(tl.int64) * H + i_h) * K + o_k
     if HAS_A0:
         b_a = tl.load(a0 + st).to(tl.float32)
     else:
         b_a = tl.zeros([BK], dtype=tl.float32)
-    b_c = tl.load(c + i_h).to(tl.float32)
-    tril = o_t[:, None] >= o_t[None, :]
-    for i_t in range(0, tl.cdiv(L, BT)):
-        pos = i_t * BT + o_t
-        m_t = pos < L
-        rows = bos + pos
-        ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
-        b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_g = tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-        tl.store(G + ptr, tl.cumsum(b_g, 0), mask=m_t[:, None])
-        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_Ga = tl.cumsum(b_ga, 0)
-        b_L = tl.where(tril, tl.exp(tl.where(tril, b_Ga[:, None] - b_Ga[None, :], 0.)), 0.)
-        b_A = tl.dot(b_L, b_ba[:, None] * b_k * b_k, input_precision="ieee")
-        b_A += tl.exp(b_Ga)[:, None] * b_a[None, :]
-        b_r = tl.log(b_A + eps) - b_c
-        b_m = tl.exp(-log_x * b_r / (1. + tl.abs(b_r)))
-        tl.store(p + ptr, (b_k * b_m).to(p.dtype.element_ty), mask=m_t[:, None])
-        if STORE_A:
-            tl.store(a_out + ptr, b_A, mask=m_t[:, None])
-        last = tl.minimum(L - i_t * BT, BT) - 1
-        b_a = tl.sum(tl.where((o_t == last)[:, None], b_A, 0.), 0)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    c1 = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
+    for i_t in range(0, c1 - c0):
+        off = (c0 + i_t) * H + i_h
+        b_e = tl.load(a_end + off * K + o_k)
+        b_d = tl.load(decay + off)
+        tl.store(a_end + off * K + o_k, b_a)
+        b_a = b_d * b_a + b_e
     if STORE_FINAL:
         tl.store(a_fin + st, b_a)
+
+
+@triton.autotune(configs=_configs([({"BK": 32}, 4, 1), ({"BK": 64}, 4, 1)]), key=["H", "K"])
+@triton.jit
+def pkda_fwd_atk_kernel(k, g_atk, beta_atk, c, a_in, p, a_out, cu, chunk_indices, log_x, eps, H,
+                        K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                        STORE_A: tl.constexpr):
+    NK: tl.constexpr = K // BK
+    pid = tl.program_id(0)
+    i_k = pid % NK
+    i_ch = pid // NK
+    i_h = i_ch % H
+    i_c = i_ch // H
+    i_n, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_t = o_t < Lc
+    rows = T0 + o_t
+    ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_Ga = tl.cumsum(b_ga, 0)
+    tril = o_t[:, None] >= o_t[None, :]
+    b_L = tl.where(tril, tl.exp(tl.where(tril, b_Ga[:, None] - b_Ga[None, :], 0.)), 0.)
+    b_ain = tl.load(a_in + (i_c.to(tl.int64) * H + i_h) * K + o_k)
+    b_A = tl.dot(b_L, b_ba[:, None] * b_k * b_k, input_precision="ieee")
+    b_A += tl.exp(b_Ga)[:, None] * b_ain[None, :]
+    b_r = tl.log(b_A + eps) - tl.load(c + i_h).to(tl.float32)
+    b_m = tl.exp(-log_x * b_r / (1. + tl.abs(b_r)))
+    tl.store(p + ptr, (b_k * b_m).to(p.dtype.element_ty), mask=m_t[:, None])
+    if STORE_A:
+        tl.store(a_out + ptr, b_A, mask=m_t[:, None])
 
 
 def fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout: ChunkLayout, initial_A_state=None,
@@ -215,9 +278,19 @@ def fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout: ChunkLayout, initial_A
     a0 = initial_A_state.contiguous() if initial_A_state is not None else None
     if layout.N == 0:
         return p, G, a, a_fin
-    pkda_fwd_atk_kernel[lambda meta: grid_atk(layout.N, H, K, meta["BK"])](
-        k, g, g_atk, beta_atk, c, a0, p, G, a, a_fin, layout.cu, math.log(x), eps, H,
-        K=K, BT=BT, HAS_A0=a0 is not None, STORE_A=store_a, STORE_FINAL=output_final_state)
+    NT = layout.NT
+    a_chunk = torch.empty(NT, H, K, dtype=torch.float32, device=k.device)
+    decay = torch.empty(NT, H, dtype=torch.float32, device=k.device)
+    if NT:
+        pkda_fwd_atk_local_kernel[lambda meta: grid_atk_chunks(NT, H, K, meta["BK"])](
+            k, g, g_atk, beta_atk, G, a_chunk, decay, layout.cu, layout.chunk_indices, H, K=K, BT=BT)
+    pkda_fwd_atk_carry_kernel[lambda meta: grid_atk(layout.N, H, K, meta["BK"])](
+        a_chunk, decay, a0, a_fin, layout.cu, layout.chunk_offsets, H, K=K, BT=BT,
+        HAS_A0=a0 is not None, STORE_FINAL=output_final_state)
+    if NT:
+        pkda_fwd_atk_kernel[lambda meta: grid_atk_chunks(NT, H, K, meta["BK"])](
+            k, g_atk, beta_atk, c, a_chunk, p, a, layout.cu, layout.chunk_indices, math.log(x),
+            eps, H, K=K, BT=BT, STORE_A=store_a)
     return p, G, a, a_fin
 
 

@@ -49,9 +49,13 @@ import torch
 import triton
 import triton.language as tl
 
-BT = 64   # chunk
-BC = 16   # sub-chunk (local reference point for the pairwise gates)
-NC = BT // BC
+# Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
+# accepts plain ints and hid this); host code uses the plain-int twins CHUNK / N_SUB.
+CHUNK, SUB = 64, 16
+N_SUB = CHUNK // SUB
+BT = tl.constexpr(CHUNK)  # chunk
+BC = tl.constexpr(SUB)    # sub-chunk (local reference point for the pairwise gates)
+NC = tl.constexpr(N_SUB)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -382,7 +386,9 @@ def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_
     return tl.sum(b_k * b_dkr, axis=1)
 
 
-@triton.autotune(configs=_configs([(4, 1), (2, 1)]), key=["H", "K", "DT"])
+# intra adds onto dq/dk/dp/dG in place: autotune benchmarking must restore them after each run
+@triton.autotune(configs=_configs([(4, 1), (2, 1)]), key=["H", "K", "DT"],
+                 restore_value=["dq", "dk", "dp", "dG"])
 @triton.jit
 def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_part, chunks, TT,
                           H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
@@ -434,17 +440,21 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
 # [64,64] masked decay matrix (exponents Ga_s - Ga_t <= 0, formed as differences).
 # =============================================================================================
 @triton.jit
-def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dg_atk, dbeta_atk, dc_part,
-                        da0, cu, logx, eps,
+def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba_part, dc_part,
+                        da0, cu, TT, logx, eps,
                         H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                         USE_A0: tl.constexpr, USE_DAT: tl.constexpr):
-    i_nh = tl.program_id(0)
+    """One program per (sequence x head x K tile): every channel's a_t is its own scan, so
+    K splits freely; dg_atk / dbeta_atk (sums over K) go to per-K-tile partials."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_x = tl.program_id(0)
+    i_nh, i_k = i_x // NK, i_x % NK
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
     b_c = tl.load(c + i_h).to(tl.float32)
     if USE_DAT:
@@ -456,6 +466,7 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dg_atk, dbeta
     else:
         b_a0 = tl.zeros([BK], dtype=tl.float32)
     b_dc = tl.zeros([BK], dtype=tl.float32)
+    m_tri = o_t[:, None] <= o_t[None, :]
     for i in range(NT):
         i_t = NT - 1 - i
         cbos = bos + i_t * BT
@@ -476,7 +487,7 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dg_atk, dbeta
         b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
         b_Ga = tl.cumsum(b_ga, axis=0)
         b_Gl = tl.sum(b_ga, axis=0)
-        m_M = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+        m_M = m_tri & m_t[:, None] & m_t[None, :]
         b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
         b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
                 + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
@@ -484,16 +495,15 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dg_atk, dbeta
         b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
         b_ap += tl.where((rows == bos)[:, None] & m_k[None, :], b_a0[None, :], 0.)
         b_eg = tl.exp(b_ga)
-        b_dga = tl.sum(b_da * b_eg[:, None] * b_ap, axis=1)
-        b_dba = tl.sum(b_da * b_k * b_k, axis=1)
         b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
         b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m + 2. * b_ba[:, None] * b_k * b_da
         tl.store(dk + p_tk, b_dk, mask=m_tk)
-        tl.store(dg_atk + rows * H + i_h, b_dga, mask=m_t)
-        tl.store(dbeta_atk + rows * H + i_h, b_dba, mask=m_t)
+        p_part = (i_k * TT + rows) * H + i_h
+        tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
+        tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
         b_carry = tl.sum(tl.where((o_t == 0)[:, None], b_da * b_eg[:, None], 0.), axis=0)
     tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_carry, mask=m_k)
-    tl.store(dc_part + i_nh, tl.sum(b_dc, axis=0))
+    tl.store(dc_part + i_x, tl.sum(b_dc, axis=0))
 
 
 # =============================================================================================
@@ -520,7 +530,7 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
     """bwd.dAv. Returns (dAqk_s FP32 [B,T,H,64] or None, dv_loc FP32 [B,T,H,V])."""
     B, T, H, V = do.shape
     dv_loc = _new(do.shape, do, lay.covered)
-    dAqk = _new((B, T, H, BT), do, lay.covered) if write_dA else dv_loc
+    dAqk = _new((B, T, H, CHUNK), do, lay.covered) if write_dA else dv_loc
     if lay.NT:
         pkda_bwd_dAv_kernel[(lay.NT, H)](do, Delta, Aqk, dAqk, dv_loc, lay.chunk_bounds, scale,
                                          H=H, V=V, BV=min(64, triton.next_power_of_2(V)),
@@ -553,7 +563,7 @@ def bwd_wy_dqkg(q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do, scale, 
     out = dict(dq=_new(q.shape, q, lay.covered), dk=_new(q.shape, q, lay.covered),
                dp=_new(q.shape, q, lay.covered), dG=_new(q.shape, q, lay.covered),
                dv=_new(v.shape, v, lay.covered), dbeta=_new(beta.shape, beta, lay.covered),
-               dAkk=_new((B, T, H, BT), q, lay.covered))
+               dAkk=_new((B, T, H, CHUNK), q, lay.covered))
     if lay.NT:
         pkda_bwd_wy_dqkg_kernel[(lay.NT, H)](
             q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do,
@@ -572,7 +582,7 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     TT = B * T
     part = _new((NK, B, T, H), q, lay.covered)
     if lay.NT:
-        pkda_bwd_intra_kernel[(lay.NT * NC, H, NK)](
+        pkda_bwd_intra_kernel[(lay.NT * N_SUB, H, NK)](
             q, k, p, G, beta, dAqk, dAkk, grads["dq"], grads["dk"], grads["dp"], grads["dG"],
             part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype))
         n = TT * H
@@ -596,18 +606,21 @@ def bwd_dg(dG, lay):
 def bwd_atk(k, a, g_atk, beta_atk, c, dp, dk, initial_A_state, dat, x, eps, lay):
     """bwd.atk: finishes dk in place; returns dict(dg_atk, dbeta_atk, dc [H], da0 [N,H,K])."""
     B, T, H, K = k.shape
-    dg_atk = _new(g_atk.shape, k, lay.covered)
-    dbeta_atk = _new(g_atk.shape, k, lay.covered)
-    dc_part = k.new_zeros((lay.N, H), dtype=torch.float32)
+    BK = min(32, triton.next_power_of_2(K))
+    NK = triton.cdiv(K, BK)
+    dga = _new((NK, B, T, H), k, lay.covered)
+    dba = _new((NK, B, T, H), k, lay.covered)
+    dc_part = k.new_zeros((lay.N, H, NK), dtype=torch.float32)
     da0 = k.new_zeros((lay.N, H, K), dtype=torch.float32)
     if lay.N:
-        pkda_bwd_atk_kernel[(lay.N * H,)](
+        # not autotuned: it updates dk in place
+        pkda_bwd_atk_kernel[(lay.N * H * NK,)](
             k, a, g_atk, beta_atk, c, dp, dk,
             initial_A_state if initial_A_state is not None else da0,
-            dat if dat is not None else da0, dg_atk, dbeta_atk, dc_part, da0, lay.cu,
-            math.log(x), eps, H=H, K=K, BK=triton.next_power_of_2(K),
-            USE_A0=initial_A_state is not None, USE_DAT=dat is not None)
-    return dict(dg_atk=dg_atk, dbeta_atk=dbeta_atk, dc=dc_part.sum(0), da0=da0)
+            dat if dat is not None else da0, dga, dba, dc_part, da0, lay.cu, B * T,
+            math.log(x), eps, H=H, K=K, BK=BK,
+            USE_A0=initial_A_state is not None, USE_DAT=dat is not None, num_warps=4)
+    return dict(dg_atk=dga.sum(0), dbeta_atk=dba.sum(0), dc=dc_part.sum((0, 2)), da0=da0)
 
 
 RECOMPUTE_KEYS = ("a", "p", "G", "Aqk", "Tinv", "W", "U", "h", "Delta")

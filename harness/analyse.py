@@ -236,6 +236,73 @@ def _phases(run_dir: Path, exp_dir: Path | None) -> tuple[dict[str, dict | None]
     return records, verdicts
 
 
+def _training_first_losses(record: dict | None) -> dict:
+    """training.json rows' optional {row: {first_loss: {baseline: [...], candidate: [...]}}}."""
+    out = {}
+    for name, sides in ((record or {}).get("rows") or {}).items():
+        first = sides.get("first_loss") if isinstance(sides, dict) else None
+        if isinstance(first, dict) and "baseline" in first and "candidate" in first:
+            out[name] = (list(first["baseline"]), list(first["candidate"]))
+    return out
+
+
+def _run_training_rows(loaded: LoadedExperiment, run: dict) -> list[dict]:
+    """The training rows this run measured (the cpu profile's on a CPU run), as dicts."""
+    settings = run.get("settings") or {}
+    if "training" in settings:
+        return list(settings["training"] or [])
+    return [t.model_dump() for t in loaded.exp.training]
+
+
+def _training_section(rows: list[dict], ev: G.Evidence, seed: int, blocks: list[Block]) -> list[dict]:
+    """Per training row: the same statistics as an operator row over timed optimizer steps, plus
+    tokens/s (tokens per step / median step time), peak allocation, and first-step losses."""
+    out = []
+    for cfg in rows:
+        name = cfg["name"]
+        base_b, cand_b = ev.training.get(name, ([], []))
+        base, cand = _flat(base_b), _flat(cand_b)
+        sb, sc = stats.summarize(base), stats.summarize(cand)
+        tokens = int(cfg["B"]) * int(cfg["T"])
+        per_side: dict[str, dict[str, list]] = {"baseline": {}, "candidate": {}}
+        for b in blocks:
+            rec = b.train_rows.get(name) if b.status == "ok" else None
+            if rec is None or b.side not in per_side:
+                continue
+            d = per_side[b.side]
+            if rec.get("peak_bytes") is not None:
+                d.setdefault("peaks", []).append(int(rec["peak_bytes"]))
+            d.setdefault("final", []).append(rec.get("final_loss"))
+            d.setdefault("curves", []).append(b.train_losses.get(name, []))
+        peaks = {side: (max(d["peaks"]) if d.get("peaks") else None) for side, d in per_side.items()}
+        delta = None if None in peaks.values() else peaks["candidate"] - peaks["baseline"]
+        curves = {}
+        for side, d in per_side.items():
+            cs = [c for c in d.get("curves", []) if c]
+            n = min((len(c) for c in cs), default=0)
+            curves[side] = [sum(c[i] for c in cs) / len(cs) for i in range(n)]
+        first_b, first_c = ev.training_first_loss.get(name, ([], []))
+        tps = {side: (tokens / (s.median / 1e3) if s.n and s.median else None)
+               for side, s in (("baseline", sb), ("candidate", sc))}
+        out.append({
+            "name": name, "config": {k: v for k, v in cfg.items() if k != "name"}, "tokens_per_step": tokens,
+            "mode": "varlen" if cfg.get("varlen") else "dense",
+            "baseline": sb.to_json(), "candidate": sc.to_json(),
+            "blocks": {"baseline": len(base_b), "candidate": len(cand_b)},
+            "samples_ms": {"baseline": base, "candidate": cand},
+            "speedup": stats.paired_block_speedup(base_b, cand_b, seed=seed).to_json(),
+            "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
+            "tokens_per_s": tps,
+            "peak_bytes": {**peaks, "delta": delta,
+                           "delta_fraction": delta / peaks["baseline"] if delta is not None and peaks["baseline"] else None},
+            "first_loss": G.first_loss_agreement(first_b, first_c, cfg.get("first_loss_rtol", G.DEFAULT_FIRST_LOSS_RTOL)),
+            "final_loss": {side: d.get("final", []) for side, d in per_side.items()},
+            "loss_curve": curves,
+            "failures": ev.training_failures.get(name, []),
+        })
+    return out
+
+
 def _training_blocks(record: dict | None) -> dict:
     """training.json rows {row: {baseline: [[ms...] per block], candidate: [...]}} -> gates' form."""
     if not record:
@@ -273,7 +340,10 @@ def _provenance(run: dict, run_dir: Path) -> dict:
     revs = run.get("revisions") or {}
     versions = run.get("versions") or {}
     device = run.get("device") or {}
-    bench_base = revs.get("bench_base") or ({"sha": versions.get("harness_sha")} if versions.get("harness_sha") else None)
+    # BENCH_BASE is the freeze's fixture commit (verify.json), never the harness's own SHA
+    verify = _read_json(run_dir / "verify.json") or {}
+    bench_base = ({"sha": verify["bench_base_sha"], "branch": verify.get("bench_base_branch")}
+                  if verify.get("bench_base_sha") else None)
     return {
         "repo": revs.get("repo"), "baseline": revs.get("baseline"), "candidate": revs.get("candidate"),
         "bench_base": bench_base, "commands": run.get("commands") or [], "host": run.get("host") or device.get("host"),
@@ -308,8 +378,13 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
     state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
     aa_file = _read_json(run_dir / "aa.json") or {}
-    ev = G.evidence_from_blocks(exp, blocks, phases=phase_verdicts,
-                                training=_training_blocks(phase_records.get("training")),
+    # training rows: measured in the blocks (train_step/train_row records); a training.json phase
+    # record, when present, supplies rows the blocks did not measure
+    train_times, train_first = G.training_from_blocks(blocks)
+    training = {**_training_blocks(phase_records.get("training")), **train_times}
+    first_losses = {**_training_first_losses(phase_records.get("training")), **train_first}
+    ev = G.evidence_from_blocks(exp, blocks, phases=phase_verdicts, training=training,
+                                training_first_loss=first_losses,
                                 aa_noise=aa_file.get("noise_floor"), shapes=shapes)
     results = G.evaluate_gates(exp, ev)
     terminal = _terminal_reason(phase_records, attempts, state, run, terminal)
@@ -333,6 +408,7 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
         "gates": [r.to_json() for r in results],
         "rows": rows,
         "geomeans": _geomeans_section(loaded, shapes, ev, exp.seed),
+        "training": _training_section(_run_training_rows(loaded, run), ev, exp.seed, blocks),
         "aa_noise_floor": ev.aa_noise if ev.aa_noise is not None else _aa_noise(run, rows),
         "blocks": _blocks_section(blocks, _boost_mhz(run, blocks)),
         "failures": ev.failures,

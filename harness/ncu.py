@@ -467,7 +467,7 @@ def top_stalls(rec: dict, n: int = TOP_STALLS) -> list[dict]:
 # --- per stage ----------------------------------------------------------------------------------
 
 def stage_kernels(kernel_names: Iterable[str], patterns: list[str]) -> list[str]:
-    """Kernels a stage's patterns match (re.search, as harness/worker.py's assign_stages)."""
+    """Kernels a stage's patterns match (re.search, as harness.kernel_profile.assign_stages)."""
     rx = [re.compile(p) for p in patterns]
     return [k for k in kernel_names if any(r.search(k) for r in rx)]
 

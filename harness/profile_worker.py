@@ -24,7 +24,7 @@ What a "kernel" is, and which names a stage pattern is matched against:
        profiled ops cover. Its names are its own name, then its enclosing ops/ranges, innermost
        first. (Triton kernels under TRITON_INTERPRET=1 are invisible to the profiler on CPU.)
   The stage is decided by the innermost name that matches any stage pattern (re.search, as
-  harness.worker.assign_stages); when that one name matches patterns of two stages, that is an
+  harness.kernel_profile.assign_stages); when that one name matches patterns of two stages, that is an
   error naming both. A kernel none of whose names match is unassigned: it is listed, never dropped.
 """
 from __future__ import annotations
@@ -40,79 +40,8 @@ from pathlib import Path
 import torch
 
 from harness.device import device_info, versions
-from harness.worker import _DTYPES, Call, Timer, _load_inputs, _load_op, assign_stages
-
-
-class OverlapError(Exception):
-    """One kernel (or range) name matches the patterns of two stages."""
-
-    def __init__(self, name: str, stages: list[str]):
-        self.name, self.stages = name, stages
-        super().__init__(f"kernel {name!r} matches stages {' and '.join(repr(s) for s in stages)}")
-
-
-def matching_stages(name: str, patterns: dict[str, list[str]]) -> list[str]:
-    """Stages whose patterns match `name`, with the same matching rule as the block worker."""
-    return [s for s, hit in assign_stages({name: 1.0}, patterns).items() if hit]
-
-
-def attribute(names: list[str], patterns: dict[str, list[str]]) -> str | None:
-    """The stage of a kernel whose names (own name first, then enclosing ranges, innermost first)
-    are `names`: the first name that matches any stage decides; two stages on that name is an error."""
-    for name in names:
-        hits = matching_stages(name, patterns)
-        if len(hits) > 1:
-            raise OverlapError(name, hits)
-        if hits:
-            return hits[0]
-    return None
-
-
-def _kernel_events(events, cuda: bool) -> list[tuple[str, float, list[str]]]:
-    """(name, ms, names innermost first) of each kernel of one profiled call."""
-    DT = torch.autograd.DeviceType
-    out = []
-    if cuda:
-        dev = [e for e in events if e.device_type == DT.CUDA]
-        ranges = [e for e in dev if e.is_user_annotation]
-        for e in dev:
-            if e.is_user_annotation:
-                continue
-            tr = e.time_range
-            enclosing = [r for r in ranges if r.time_range.start <= tr.start and tr.end <= r.time_range.end
-                         and r.device_index == e.device_index]
-            enclosing.sort(key=lambda r: r.time_range.end - r.time_range.start)  # innermost first
-            out.append((e.name, tr.elapsed_us() / 1e3, [e.name, *(r.name for r in enclosing)]))
-        return out
-    for e in events:
-        if e.device_type != DT.CPU or e.is_async:
-            continue
-        names, p = [e.name], e.cpu_parent
-        while p is not None:
-            names.append(p.name)
-            p = p.cpu_parent
-        out.append((e.name, e.self_cpu_time_total / 1e3, names))
-    return out
-
-
-def profile_calls(fn, iters: int, patterns: dict[str, list[str]], before=None) -> list[list[tuple[str, float, str | None]]]:
-    """For each of `iters` profiled calls: [(kernel name, ms, stage or None)] (raises OverlapError)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-    calls = []
-    for _ in range(iters):
-        if before is not None:
-            before()
-        if cuda:
-            torch.cuda.synchronize()
-        with profile(activities=acts) as prof:
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-        calls.append([(name, ms, attribute(names, patterns)) for name, ms, names in _kernel_events(prof.events(), cuda)])
-    return calls
+from harness.kernel_profile import OverlapError, attribute, profile_calls  # noqa: F401 (re-exported for tests)
+from harness.worker import _DTYPES, Call, Timer, _load_inputs, _load_op
 
 
 def summarise(calls: list[list[tuple[str, float, str | None]]], stages: list[str]) -> dict:

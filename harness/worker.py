@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 
 from harness.device import gpu_snapshot
+from harness.kernel_profile import profile_calls
 from harness.records import append_jsonl
 from harness.spec import SpecError  # noqa: F401  (imported so the harness package is pinned before the worktree)
+from harness.training import run_training_rows
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -125,38 +127,6 @@ def peak_bytes(fn) -> int | None:
     return torch.cuda.max_memory_allocated() - before
 
 
-def kernel_times(fn, iters: int) -> list[dict[str, float]]:
-    """Device time per kernel name for each of `iters` calls (CPU: profiler op/range times)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    per_call = []
-    for _ in range(iters):
-        acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-        with profile(activities=acts) as prof:
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-        totals: dict[str, float] = {}
-        for evt in prof.events():
-            is_dev = evt.device_type == torch.autograd.DeviceType.CUDA
-            if cuda != is_dev:
-                continue
-            us = evt.time_range.elapsed_us() if cuda else evt.cpu_time_total
-            totals[evt.name] = totals.get(evt.name, 0.0) + us / 1e3
-        per_call.append(totals)
-    return per_call
-
-
-def assign_stages(kernels: dict[str, float], patterns: dict[str, list[str]]) -> dict[str, float]:
-    """Sum kernel times into stages by regex (a kernel counts in every stage it matches)."""
-    out = {}
-    for stage, pats in patterns.items():
-        rx = [re.compile(p) for p in pats]
-        out[stage] = sum(ms for name, ms in kernels.items() if any(r.search(name) for r in rx))
-    return out
-
-
 def run_block(job: dict) -> int:
     base = {"block": job["block"], "side": job["side"], "attempt": job["attempt"]}
     samples_path = Path(job["samples_path"])
@@ -213,23 +183,26 @@ def run_block(job: dict) -> int:
                 if peak is not None:
                     emit("peak", shape=key[0], mode=mode, bytes=int(peak))
                 if job["stage_iters"] > 0 and job["stage_patterns"]:
-                    per_call = kernel_times(call, job["stage_iters"])
-                    for i, kernels in enumerate(per_call):
-                        for stage, ms in assign_stages(kernels, job["stage_patterns"]).items():
+                    calls = profile_calls(call, job["stage_iters"], job["stage_patterns"])
+                    totals: dict[str, list] = {}  # kernel name -> [total ms, launches] over the calls
+                    for i, kernels in enumerate(calls):
+                        for stage in job["stage_patterns"]:
+                            ms = sum(k_ms for _, k_ms, k_stage in kernels if k_stage == stage)
                             emit("stage", shape=key[0], mode=mode, i=i, stage=stage, ms=ms)
-                    totals: dict[str, list] = {}
-                    for kernels in per_call:
-                        for name, ms in kernels.items():
+                        for name, k_ms, _ in kernels:
                             t = totals.setdefault(name, [0.0, 0])
-                            t[0] += ms
+                            t[0] += k_ms
                             t[1] += 1
-                    emit("kernels", shape=key[0], mode=mode, iters=len(per_call), kernels=totals)
+                    emit("kernels", shape=key[0], mode=mode, iters=len(calls), kernels=totals)
             except Exception as e:
                 emit("failure", shape=key[0], mode=mode, error=f"{type(e).__name__}: {e}",
                      trace=traceback.format_exc(limit=8))
                 _free_cuda()
             finally:
                 call = None
+
+        if job.get("training"):  # after the operator rows, in this same process (harness/training.py)
+            run_training_rows(job, emit, op, device)
     except Exception as e:
         status, error = "failed", f"{type(e).__name__}: {e}"
         traceback.print_exc()

@@ -77,7 +77,7 @@ class TempRepo:
 
     def experiment(self, name: str, candidate: str, gates: str, extra: str = "", blocks: int = 3,
                    samples: int = 5, shapes: str | None = None) -> Path:
-        shapes = shapes or "  - {name: small, B: 2, T: 256, H: 1, K: 256, V: 256}\n"
+        shapes = shapes or "  - {name: small, B: 4, T: 256, H: 1, K: 256, V: 256}\n"
         text = textwrap.dedent(f"""\
             name: {name}
             description: tiny CPU op for tests

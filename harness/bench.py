@@ -15,7 +15,7 @@ from typing import Callable
 
 from harness.records import append_jsonl, completed_blocks
 from harness.revisions import Revisions, check_unmoved
-from harness.spec import SIDES, LoadedExperiment, Shape
+from harness.spec import SIDES, LoadedExperiment, Shape, TrainingRow
 
 HARNESS_ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,21 +46,34 @@ class BenchSettings:
     timing: str
     l2_flush: bool
     cpu_mode: bool
+    training: tuple[TrainingRow, ...] = ()  # the cpu profile's rows of the same names on a CPU run
 
     @classmethod
     def for_machine(cls, loaded: LoadedExperiment, cpu_mode: bool) -> "BenchSettings":
         exp = loaded.exp
+        training = tuple(exp.training)
+        if cpu_mode:
+            small = {t.name: t for t in ((exp.cpu.training if exp.cpu is not None else None) or [])}
+            # the interpreter runs fp32 only
+            training = tuple(small.get(t.name, t).model_copy(update={"dtype": "float32"}) for t in training)
         if cpu_mode and exp.cpu is not None:
             c = exp.cpu
-            return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True)
+            return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True, training)
         dtype = "float32" if cpu_mode else exp.dtype
         return cls(list(exp.shapes), dtype, exp.blocks, exp.samples_per_block, exp.warmup,
-                   "wall" if cpu_mode else exp.timing, exp.l2_flush and not cpu_mode, cpu_mode)
+                   "wall" if cpu_mode else exp.timing, exp.l2_flush and not cpu_mode, cpu_mode, training)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d["shapes"] = [s.model_dump(exclude_none=True) for s in self.shapes]
+        d["training"] = [t.model_dump() for t in self.training]
         return d
+
+
+def training_job_row(loaded: LoadedExperiment, row: TrainingRow) -> dict:
+    """A training row as the worker takes it: the model file resolved against the experiment file."""
+    file, fn = row.model.split(":")
+    return {**row.model_dump(), "model_file": str(loaded.model_file(row)), "model_fn": fn}
 
 
 def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
@@ -95,6 +108,7 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
             "warmup": settings.warmup, "timing": settings.timing, "l2_flush": settings.l2_flush,
             "stage_patterns": {name: getattr(p, side) for name, p in exp.stages.items()},
             "stage_iters": exp.stage_iters,
+            "training": [training_job_row(loaded, t) for t in settings.training],
         }
         job_path = run_dir / "jobs" / f"block-{index:03d}-{side}.json"
         job_path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,9 @@ class Evidence:
     stages: dict[tuple[str, str, str], tuple[Blocks, Blocks]] = field(default_factory=dict)
     phases: dict[str, PhaseVerdict] = field(default_factory=dict)
     training: dict[str, tuple[Blocks, Blocks]] = field(default_factory=dict)
+    # per training row: first-step loss of each (ok) block, (baseline, candidate), and its failures
+    training_first_loss: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
+    training_failures: dict[str, list[dict]] = field(default_factory=dict)
     aa_noise: float | None = None  # A/A noise floor as a fraction; None when not measured
     failures: list[dict] = field(default_factory=list)
 
@@ -361,27 +364,73 @@ def _phase(gate, ev: Evidence) -> GateResult:
     return GateResult(gate.name, gate.kind, pv.status, pv.reason or f"{gate.kind} phase: {pv.status}", numbers, rows)
 
 
-def _training(gate: TrainingGate, ev: Evidence, seed: int) -> GateResult:
+DEFAULT_FIRST_LOSS_RTOL = 1e-3
+
+
+def first_loss_agreement(base: list[float] | None, cand: list[float] | None, rtol: float) -> dict:
+    """Do the two sides' first-step losses agree (same seed, same data)? Every block's first loss on
+    either side is compared with the baseline's median: agree when the largest relative deviation
+    is <= rtol. `status` is PASS / FAIL, or INCONCLUSIVE when a side has no first loss."""
+    out: dict = {"baseline": list(base or []), "candidate": list(cand or []), "rtol": rtol}
+    if not base or not cand:
+        side = " and ".join(s for s, v in (("baseline", base), ("candidate", cand)) if not v)
+        return {**out, "status": "INCONCLUSIVE", "reason": f"no first-step loss on the {side} side"}
+    values = sorted(base)
+    ref = values[len(values) // 2] if len(values) % 2 else 0.5 * (values[len(values) // 2 - 1] + values[len(values) // 2])
+    if not all(math.isfinite(x) for x in [*base, *cand]):
+        return {**out, "reference": ref, "status": "FAIL", "reason": "a first-step loss is not finite"}
+    worst = max(abs(x - ref) for x in [*base, *cand])
+    rel = worst / max(abs(ref), 1e-12)
+    cand_dev = max(abs(x - ref) for x in cand) / max(abs(ref), 1e-12)
+    status = "PASS" if rel <= rtol else "FAIL"
+    reason = (f"first-step loss baseline {ref:.6g} (median of {len(base)}), candidate "
+              f"{min(cand):.6g}..{max(cand):.6g}: largest relative deviation {rel:.3g} "
+              f"{'<=' if status == 'PASS' else '>'} rtol {rtol:g}")
+    return {**out, "reference": ref, "max_abs_diff": worst, "max_rel_diff": rel, "candidate_max_rel_diff": cand_dev,
+            "status": status, "reason": reason}
+
+
+def _first_loss_rtol(exp: Experiment | None, row: str) -> float:
+    for t in (exp.training if exp is not None else []):
+        if t.name == row:
+            return t.first_loss_rtol
+    return DEFAULT_FIRST_LOSS_RTOL
+
+
+def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | None = None) -> GateResult:
     limit = 1 + gate.neutral_margin
     numbers: dict = {"neutral_margin": gate.neutral_margin, "limit": limit,
                      "min_best_speedup": gate.min_best_speedup, "rows": {}}
     neutral: list[Status] = []
     best: list[Status] = []
+    losses: list[Status] = []
     notes: list[str] = []
     for r in gate.rows:
+        fb, fc = ev.training_first_loss.get(r, (None, None))
+        agree = first_loss_agreement(fb, fc, _first_loss_rtol(exp, r))
+        losses.append(agree["status"])
+        if agree["status"] != "PASS":
+            notes.append(f"{r}: {agree['reason']} -> {agree['status']}")
+        failures = ev.training_failures.get(r, [])
+        if failures:
+            notes.append(f"{r}: {_failure_text(failures)}")
         base, cand = ev.training.get(r, (None, None))
         why = _missing_side(r, base, cand)
         if why:
             neutral.append("INCONCLUSIVE")
             best.append("INCONCLUSIVE")
             notes.append(why)
-            numbers["rows"][r] = {"status": "INCONCLUSIVE", "reason": why}
+            numbers["rows"][r] = {"status": "INCONCLUSIVE", "reason": why, "first_loss": agree,
+                                  "failures": len(failures)}
             continue
         sp = stats.paired_block_speedup(base, cand, seed=seed)
         tr = stats.reciprocal(sp)
         n_st = _ratio_status(tr, limit)
         b_st: Status = ("INCONCLUSIVE" if sp.lo is None else "PASS" if sp.lo >= gate.min_best_speedup
                         else "FAIL" if sp.hi < gate.min_best_speedup else "INCONCLUSIVE")
+        if failures:  # a row that failed in some block cannot pass on the blocks that survived
+            n_st = "INCONCLUSIVE" if n_st == "PASS" else n_st
+            b_st = "INCONCLUSIVE" if b_st == "PASS" else b_st
         neutral.append(n_st)
         best.append(b_st)
         if n_st != "PASS":
@@ -389,16 +438,19 @@ def _training(gate: TrainingGate, ev: Evidence, seed: int) -> GateResult:
         numbers["rows"][r] = {"neutral": n_st, "speedup_point": sp.point, "speedup_lo": sp.lo,
                               "speedup_hi": sp.hi, "time_ratio_lo": tr.lo, "time_ratio_hi": tr.hi,
                               "n_pairs": sp.n_blocks, "n_base_blocks": sp.n_base_blocks,
-                              "n_cand_blocks": sp.n_cand_blocks}
+                              "n_cand_blocks": sp.n_cand_blocks, "first_loss": agree,
+                              "failures": len(failures)}
     # at least one row must show the speedup: PASS if any row's lower bound reaches it, FAIL only
     # if every row's upper bound is below it
     best_status: Status = ("PASS" if "PASS" in best else "FAIL" if best and all(b == "FAIL" for b in best)
                            else "INCONCLUSIVE")
     neutral_status = _combine(neutral)  # a missing row is INCONCLUSIVE here, so never PASS
-    numbers.update(neutral_status=neutral_status, best_speedup_status=best_status)
-    status = _combine([neutral_status, best_status])
+    loss_status = _combine(losses)  # a first-step loss mismatch beyond tolerance fails the gate
+    numbers.update(neutral_status=neutral_status, best_speedup_status=best_status, first_loss_status=loss_status)
+    status = _combine([neutral_status, best_status, loss_status])
     reason = (f"neutral within {gate.neutral_margin}: {neutral_status}; "
-              f"best speedup lower bound >= {gate.min_best_speedup}: {best_status}")
+              f"best speedup lower bound >= {gate.min_best_speedup}: {best_status}; "
+              f"first-step losses agree: {loss_status}")
     if notes:
         reason += " | " + "; ".join(notes)
     return GateResult(gate.name, gate.kind, status, reason, numbers, list(gate.rows))
@@ -417,7 +469,7 @@ def evaluate_gate(gate, evidence: Evidence, seed: int = 0, exp: Experiment | Non
     if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate)):
         return _phase(gate, evidence)
     if isinstance(gate, TrainingGate):
-        return _training(gate, evidence, seed)
+        return _training(gate, evidence, seed, exp)
     raise TypeError(f"unknown gate type {type(gate).__name__}")
 
 
@@ -442,9 +494,32 @@ def verdict(results: Sequence[GateResult], terminal: str | None = None) -> Liter
 
 # --- from block records --------------------------------------------------------------------------
 
+TRAIN_MODE = "train"  # the mode of a training row's failure records (harness/training.py)
+
+
+def training_from_blocks(blocks) -> tuple[dict[str, tuple[Blocks, Blocks]], dict[str, tuple[list[float], list[float]]]]:
+    """(timed step times per block, first-step loss per block), per training row and side, from
+    the 'ok' blocks in block-index order (like the operator rows). A block counts for a row only
+    when the row finished in it (its train_row record)."""
+    times: dict[str, tuple[Blocks, Blocks]] = {}
+    first: dict[str, tuple[list[float], list[float]]] = {}
+    for b in sorted((b for b in blocks if b.status == "ok"), key=lambda b: b.index):
+        side = 0 if b.side == "baseline" else 1 if b.side == "candidate" else None
+        if side is None:
+            continue
+        for name, rec in getattr(b, "train_rows", {}).items():
+            ms = b.train_ms.get(name) or []
+            if ms:
+                times.setdefault(name, ([], []))[side].append(list(ms))
+            if rec.get("first_loss") is not None:
+                first.setdefault(name, ([], []))[side].append(float(rec["first_loss"]))
+    return times, first
+
+
 def evidence_from_blocks(exp: Experiment, blocks, shape_dims_by_row: dict[str, dict] | None = None, *,
                          phases: dict[str, PhaseVerdict] | None = None,
                          training: dict[str, tuple[Blocks, Blocks]] | None = None,
+                         training_first_loss: dict[str, tuple[list[float], list[float]]] | None = None,
                          aa_noise: float | None = None, shapes: Sequence[Shape] | None = None) -> Evidence:
     """Per-row block lists from completed `records.Block`s, in block-index order per side, so the
     i-th baseline block pairs with the i-th candidate block.
@@ -458,7 +533,9 @@ def evidence_from_blocks(exp: Experiment, blocks, shape_dims_by_row: dict[str, d
     dims = {s.name: shape_dims(s) for s in shape_list}
     dims.update(shape_dims_by_row or {})
     ordered = sorted((b for b in blocks if b.status in ("ok", "failed")), key=lambda b: b.index)
-    ev = Evidence(phases=dict(phases or {}), training=dict(training or {}), aa_noise=aa_noise)
+    ev = Evidence(phases=dict(phases or {}), training=dict(training or {}),
+                  training_first_loss=dict(training_first_loss or {}), aa_noise=aa_noise)
+    train_names = {t.name for t in exp.training} | set(ev.training)
     keys = [(s.name, m) for s in shape_list for m in exp.modes]
     for key in keys:
         ev.rows[key] = RowEvidence([], [], None, None, dims.get(key[0], {}))
@@ -472,12 +549,16 @@ def evidence_from_blocks(exp: Experiment, blocks, shape_dims_by_row: dict[str, d
             row = ev.rows.get((f.get("shape"), f.get("mode")))
             if row is not None:
                 row.failures.append(rec)
+            if f.get("mode") == TRAIN_MODE:
+                ev.training_failures.setdefault(f.get("shape"), []).append(rec)
         if b.status != "ok":
             # a failed block takes every row's samples with it: no row may PASS on the rest
             rec = {"block": b.index, "side": b.side, "shape": None, "mode": None, "error": b.error or "block failed"}
             ev.failures.append(rec)
             for row in ev.rows.values():
                 row.failures.append(rec)
+            for name in train_names:
+                ev.training_failures.setdefault(name, []).append(rec)
             continue
         if side is None:
             continue

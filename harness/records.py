@@ -6,7 +6,10 @@ The worker appends one JSON object per line, flushed as it is taken:
   peak        {block, side, attempt, shape, mode, bytes}
   stage       {block, side, attempt, shape, mode, i, stage, ms}  device time of one stage, one call
   kernels     {block, side, attempt, shape, mode, iters, kernels: {name: [total_ms, launches]}}
-  failure     {block, side, attempt, shape, mode, error}
+  failure     {block, side, attempt, shape, mode, error}             a training row's: shape=row, mode="train"
+  train_step  {block, side, attempt, row, step, warmup, ms, loss, tokens}   one optimizer step of a
+              training row (harness/training.py); warm-up steps are recorded but never timed data
+  train_row   {block, side, attempt, row, tokens, first_loss, final_loss, peak_bytes, params, config}
   block_end   {block, side, attempt, t, status: ok|failed, error, gpu}
 A block counts only through the attempt that wrote its block_end; lines of an attempt that died
 stay in the file (nothing is deleted) but are never read as data, so a resumed run neither loses
@@ -38,6 +41,10 @@ class Block:
     peaks: dict[RowKey, int] = field(default_factory=dict)
     kernels: dict[RowKey, dict] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
+    train_ms: dict[str, list[float]] = field(default_factory=dict)  # row -> timed step times
+    train_losses: dict[str, list[float]] = field(default_factory=dict)  # row -> loss of every step, warm-up first
+    train_tokens: dict[str, int] = field(default_factory=dict)  # row -> tokens per step
+    train_rows: dict[str, dict] = field(default_factory=dict)  # row -> its train_row record (row finished)
 
     @property
     def complete(self) -> bool:
@@ -100,6 +107,14 @@ def load_blocks(samples_path: Path) -> list[Block]:
             b.peaks[row] = int(rec["bytes"])
         elif kind == "kernels":
             b.kernels[row] = {"iters": rec["iters"], "kernels": rec["kernels"]}
+        elif kind == "train_step":
+            name = rec["row"]
+            b.train_losses.setdefault(name, []).append(float(rec["loss"]))
+            b.train_tokens[name] = int(rec["tokens"])
+            if not rec.get("warmup"):
+                b.train_ms.setdefault(name, []).append(float(rec["ms"]))
+        elif kind == "train_row":
+            b.train_rows[rec["row"]] = {k: v for k, v in rec.items() if k not in ("type", "block", "side", "attempt")}
         elif kind == "failure":
             b.failures.append({k: rec.get(k) for k in ("shape", "mode", "error")})
         elif kind == "block_end":

@@ -237,10 +237,66 @@ class NcuGate(_Gate):
 
 
 class TrainingGate(_Gate):
+    """Rows of `training`: each neutral within `neutral_margin` (time ratio upper bound <= 1 + m),
+    at least one with speedup lower bound >= `min_best_speedup`, and every row's first-step losses
+    agreeing across sides within the row's `first_loss_rtol` (same seed, same data)."""
+
     kind: Literal["training"]
     rows: list[str] = Field(min_length=1)
     neutral_margin: float = Field(gt=0, lt=1)
     min_best_speedup: float = Field(gt=0)
+
+
+class TrainingRow(Strict):
+    """One training comparison: the model file (from the harness's checkout, like `target.inputs`)
+    built around each side's op, trained from the same seed on the same data. `varlen` packs the
+    B rows into one stream split into documents every `context_len` tokens."""
+
+    name: str
+    model: str  # "relative/path.py:build_fn", relative to the experiment file; build_fn(cfg, attn_fn)
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab: int = Field(gt=1)
+    layers: int = Field(default=2, gt=0)
+    B: int = Field(gt=0)
+    T: int = Field(gt=0)
+    varlen: bool = False
+    context_len: int | None = Field(default=None, gt=0)
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"  # the attention inputs' dtype (float32 on CPU)
+    optimizer: Literal["adamw"] = "adamw"
+    lr: float = Field(default=1e-3, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    warmup_steps: int = Field(default=3, ge=1)  # untimed; the first of them gives the first-step loss
+    steps: int = Field(default=10, gt=0)  # timed optimizer steps per block
+    seed: int = 0
+    first_loss_rtol: float = Field(default=1e-3, ge=0)  # cross-side agreement of the first-step loss
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not SAFE_NAME.match(v):
+            raise ValueError(f"training row name {v!r} must match {SAFE_NAME.pattern}")
+        return v
+
+    @field_validator("model")
+    @classmethod
+    def _model_form(cls, v: str) -> str:
+        if not re.fullmatch(r"[\w./-]+\.py:[A-Za-z_]\w*", v):
+            raise ValueError("expected 'relative/path.py:function'")
+        return v
+
+    @model_validator(mode="after")
+    def _varlen(self) -> "TrainingRow":
+        if self.varlen and self.context_len is None:
+            raise ValueError("a varlen training row needs context_len (document length in tokens)")
+        if not self.varlen and self.context_len is not None:
+            raise ValueError("context_len applies to varlen rows only (set varlen: true)")
+        return self
+
+    @property
+    def tokens(self) -> int:
+        return self.B * self.T
 
 
 Gate = Annotated[
@@ -307,6 +363,7 @@ class CpuProfile(Strict):
     samples_per_block: int = Field(default=3, gt=0)
     warmup: int = Field(default=1, ge=0)
     blocks: int = Field(default=3, ge=3)
+    training: list[TrainingRow] | None = None  # small rows under the same names as `training`
 
 
 class Experiment(Strict):
@@ -328,6 +385,7 @@ class Experiment(Strict):
     stages: dict[str, StagePatterns] = Field(default_factory=dict)
     stage_iters: int = Field(default=5, ge=0)  # profiled calls per block for stage times (GPU)
     gates: list[Gate] = Field(min_length=1)
+    training: list[TrainingRow] = Field(default_factory=list)
     frozen_paths: list[str] = Field(default_factory=list)
     max_attempts: int = Field(default=3, gt=0)
     fixture_shapes: list[Shape] = Field(default_factory=list)
@@ -382,6 +440,9 @@ class LoadedExperiment(BaseModel):
     def inputs_file(self) -> Path:
         return (self.path.parent / self.exp.target.inputs.split(":")[0]).resolve()
 
+    def model_file(self, row: "TrainingRow") -> Path:
+        return (self.path.parent / row.model.split(":")[0]).resolve()
+
 
 def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
     """Names that must point at something declared elsewhere in the file: (yaml path, problem)."""
@@ -409,6 +470,20 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
             out.append((at, f"gate {gate.name!r} (correctness) needs a `fixtures` section"))
         if isinstance(gate, AmdahlGate) and exp.profile is None:
             out.append((at, f"gate {gate.name!r} (amdahl) needs a `profile` section"))
+    train_names = [t.name for t in exp.training]
+    if len(set(train_names)) != len(train_names):
+        out.append(("training", f"training row names must be unique, got {train_names}"))
+    for i, gate in enumerate(exp.gates):
+        if isinstance(gate, TrainingGate):
+            missing = [r for r in gate.rows if r not in train_names]
+            if missing:
+                out.append((f"gates[{i}].rows", f"gate {gate.name!r} names training rows {missing}, "
+                            f"not in training {sorted(train_names)}"))
+    if exp.cpu is not None and exp.cpu.training:
+        missing = [t.name for t in exp.cpu.training if t.name not in train_names]
+        if missing:
+            out.append(("cpu.training", f"names {missing}, not in training {sorted(train_names)} "
+                        "(a CPU row stands in for the training row of the same name)"))
     gate_names = [g.name for g in exp.gates]
     if len(set(gate_names)) != len(gate_names):
         out.append(("gates", f"gate names must be unique, got {gate_names}"))
@@ -539,6 +614,7 @@ def load_experiment(path: str | Path) -> LoadedExperiment:
         raise SpecError(path, problems) from None
     loaded = LoadedExperiment(exp=exp, path=path.resolve(), root=_repo_root(path.resolve()))
     _check_against_inputs(loaded, index)
+    _check_model_files(loaded, index)
     return loaded
 
 
@@ -578,5 +654,21 @@ def _check_against_inputs(loaded: LoadedExperiment, index: dict[tuple, int]) -> 
             if why:
                 loc = tuple(field.split(".")) + (i,)
                 problems.append((f"{field}[{i}] ({shape.name})", _line_for(loc, index), f"the op cannot take this shape: {why}"))
+    if problems:
+        raise SpecError(loaded.path, problems)
+
+
+def _check_model_files(loaded: LoadedExperiment, index: dict[tuple, int]) -> None:
+    """Every training row's model file exists (it is loaded by path in each block)."""
+    problems = []
+    groups = [("training", loaded.exp.training)]
+    if loaded.exp.cpu is not None and loaded.exp.cpu.training:
+        groups.append(("cpu.training", loaded.exp.cpu.training))
+    for field, rows in groups:
+        for i, row in enumerate(rows):
+            file = loaded.model_file(row)
+            if not file.is_file():
+                loc = tuple(field.split(".")) + (i, "model")
+                problems.append((f"{field}[{i}].model", _line_for(loc, index), f"model file {file} does not exist"))
     if problems:
         raise SpecError(loaded.path, problems)

@@ -250,23 +250,32 @@ def test_phase_verdict_from_record():
 
 TRAIN = {"name": "tr", "kind": "training", "rows": ["step_small", "step_big"], "neutral_margin": 0.02,
          "min_best_speedup": 1.2}
+# the training rows the gate names must be declared (spec cross-reference)
+TRAIN_ROWS = [{"name": n, "model": "layer.py:build_model", "hidden": 64, "heads": 1, "head_dim": 64, "vocab": 32,
+               "B": 1, "T": 64} for n in ("step_small", "step_big")]
+SAME_FIRST = {"step_small": ([2.5] * 5, [2.5] * 5), "step_big": ([3.1] * 5, [3.1] * 5)}
+
+
+def train_ev(training, first=SAME_FIRST, **kw):
+    return Evidence(training=training, training_first_loss=first, **kw)
 
 
 def test_training_gate():
     neutral, fast = paired([1.0, 1.005, 0.999, 1.0, 1.0]), paired([1.3, 1.32, 1.31, 1.29, 1.3])
-    r = one(TRAIN, Evidence(training={"step_small": neutral, "step_big": fast}))
+    r = one(TRAIN, train_ev({"step_small": neutral, "step_big": fast}), training=TRAIN_ROWS)
     assert r.status == "PASS", r.reason
     assert r.numbers["rows"]["step_big"]["speedup_lo"] >= 1.2
     # nothing reaches the best speedup: every upper bound below 1.2
-    r = one(TRAIN, Evidence(training={"step_small": neutral, "step_big": paired([1.05] * 5)}))
+    r = one(TRAIN, train_ev({"step_small": neutral, "step_big": paired([1.05] * 5)}), training=TRAIN_ROWS)
     assert r.status == "FAIL" and r.numbers["best_speedup_status"] == "FAIL"
     # a row regresses beyond the neutral margin
-    r = one(TRAIN, Evidence(training={"step_small": paired([0.9] * 5), "step_big": fast}))
+    r = one(TRAIN, train_ev({"step_small": paired([0.9] * 5), "step_big": fast}), training=TRAIN_ROWS)
     assert r.status == "FAIL" and r.numbers["neutral_status"] == "FAIL"
     # a row straddling the best-speedup threshold and nothing else reaching it
-    r = one(TRAIN, Evidence(training={"step_small": neutral, "step_big": paired([1.1, 1.3, 1.2, 1.25, 1.15])}))
+    r = one(TRAIN, train_ev({"step_small": neutral, "step_big": paired([1.1, 1.3, 1.2, 1.25, 1.15])}),
+            training=TRAIN_ROWS)
     assert r.status == "INCONCLUSIVE"
-    r = one(TRAIN, Evidence(training={"step_big": fast}))
+    r = one(TRAIN, train_ev({"step_big": fast}), training=TRAIN_ROWS)
     assert r.status == "INCONCLUSIVE" and "step_small" in r.reason
 
 

@@ -107,8 +107,8 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         if WRITE_DA:
             b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
-            b_dA += tl.dot((b_do).to(DT), (tl.trans(b_dl)).to(DT), input_precision=PREC)
-        b_dv = tl.dot((tl.trans(b_A)).to(DT), (b_do).to(DT), input_precision=PREC)
+            b_dA += tl.dot(b_do.to(DT), tl.trans(b_dl).to(DT), input_precision=PREC)
+        b_dv = tl.dot(tl.trans(b_A).to(DT), b_do.to(DT), input_precision=PREC)
         tl.store(dv_loc + p_tv, b_dv, mask=m_tv)
     if WRITE_DA:
         keep = m_A & (o_t[:, None] >= o_t[None, :])
@@ -156,14 +156,16 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         b_Gl = tl.load(G + ((cbos + L - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
         b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
-        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.) + tl.dot((b_kg).to(DT), (b_dE).to(DT), input_precision=PREC)
+        b_dD = (tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
+                + tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC))
         tl.store(dDelta + p_tv, b_dD, mask=m_tv)
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-        b_dE = (b_dE * tl.exp(b_Gl)[:, None] + tl.dot((tl.trans(b_qg)).to(DT), (b_do).to(DT), input_precision=PREC)
-                - tl.dot((tl.trans(b_w)).to(DT), (b_dD).to(DT), input_precision=PREC))
+        b_dE = (b_dE * tl.exp(b_Gl)[:, None]
+                + tl.dot(tl.trans(b_qg).to(DT), b_do.to(DT), input_precision=PREC)
+                - tl.dot(tl.trans(b_w).to(DT), b_dD.to(DT), input_precision=PREC))
     tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
 
 
@@ -175,7 +177,8 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
 def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDelta, do,
                             dq, dk, dp, dG, dv, dbeta, dAkk, chunks, scale,
                             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                            BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                            BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                            PREC: tl.constexpr):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, eos = _chunk_bounds(chunks, i_c)
     L = eos - bos
@@ -192,16 +195,18 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_dX = tl.dot((tl.trans(b_Ti)).to(DT), (tl.load(dDelta + p_tv, mask=m_tv, other=0.)).to(DT), input_precision=PREC)
+        b_dD = tl.load(dDelta + p_tv, mask=m_tv, other=0.)
+        b_dX = tl.dot(tl.trans(b_Ti).to(DT), b_dD.to(DT), input_precision=PREC)
         b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
-        b_dA += tl.dot((b_dX).to(DT), (tl.trans(b_dl)).to(DT), input_precision=PREC)
+        b_dA += tl.dot(b_dX.to(DT), tl.trans(b_dl).to(DT), input_precision=PREC)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dX * b_v, axis=1)
         tl.store(dv + p_tv, b_dX * b_beta[:, None], mask=m_tv)
     keep = m_A & (o_t[:, None] > o_t[None, :])
     tl.store(dAkk + (rows[:, None] * H + i_h) * BT + o_t[None, :], tl.where(keep, -b_dA, 0.),
              mask=m_t[:, None])
-    # part 2 (per K tile): dq = scale Gam (dO h^T); dp = (Delta dE^T) e^{G_C-G}; dk = -beta Gam (dX h^T)
+    # part 2 (per K tile): dq = scale Gam (dO h^T); dp = (Delta dE^T) e^{G_C-G};
+    #                      dk = -beta Gam (dX h^T)
     h_base = (i_c.to(tl.int64) * H + i_h) * K * V
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -221,10 +226,13 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
             p_kv = h_base + o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
             b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.)
-            b_dX = tl.dot((tl.trans(b_Ti)).to(DT), (tl.load(dDelta + p_tv, mask=m_tv, other=0.)).to(DT), input_precision=PREC)
-            b_dq += tl.dot((tl.load(do + p_tv, mask=m_tv, other=0.)).to(DT), (tl.trans(b_h)).to(DT), input_precision=PREC)
-            b_dkg += tl.dot((tl.load(Delta + p_tv, mask=m_tv, other=0.)).to(DT), (tl.trans(b_dE)).to(DT), input_precision=PREC)
-            b_dXh += tl.dot((b_dX).to(DT), (tl.trans(b_h)).to(DT), input_precision=PREC)
+            b_dD = tl.load(dDelta + p_tv, mask=m_tv, other=0.)
+            b_dX = tl.dot(tl.trans(b_Ti).to(DT), b_dD.to(DT), input_precision=PREC)
+            b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+            b_dq += tl.dot(b_do.to(DT), tl.trans(b_h).to(DT), input_precision=PREC)
+            b_dl = tl.load(Delta + p_tv, mask=m_tv, other=0.)
+            b_dkg += tl.dot(b_dl.to(DT), tl.trans(b_dE).to(DT), input_precision=PREC)
+            b_dXh += tl.dot(b_dX.to(DT), tl.trans(b_h).to(DT), input_precision=PREC)
             b_hdE += tl.sum(b_h * b_dE, axis=1)
         b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_Gl = tl.load(G + ((eos - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -256,7 +264,8 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
 @triton.jit
 def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d,
                 dAqk, dAkk, DIAG_FROM_MEM: tl.constexpr, bos, L, i_s, i_h, o_k, m_k,
-                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                PREC: tl.constexpr):
     """dq, dkr (= dk / beta) and dp of the sub-chunk's 16 tokens for one K tile, from the
     fragments (all FP32, zero outside the causal mask):
         b_Aq_row, b_Ak_row [BC, BT]  rows I of dAqk_s / dAkk (row fragment)
@@ -282,8 +291,8 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     b_pa = tl.load(p + p_tk, mask=m_j, other=0.).to(tl.float32)
     b_pg = tl.where(m_j, b_pa * tl.exp(tl.where(m_j, b_Gr[None, :] - b_Ga, 0.)), 0.)
     b_e = tl.where(m_ik, tl.exp(b_G - b_Gr[None, :]), 0.)
-    b_dq = tl.dot((b_Aq_row).to(DT), (b_pg).to(DT), input_precision=PREC) * b_e
-    b_dkr = tl.dot((b_Ak_row).to(DT), (b_pg).to(DT), input_precision=PREC) * b_e
+    b_dq = tl.dot(b_Aq_row.to(DT), b_pg.to(DT), input_precision=PREC) * b_e
+    b_dkr = tl.dot(b_Ak_row.to(DT), b_pg.to(DT), input_precision=PREC) * b_e
     # ---- column fragment, rows r > i_last: reference point G_{i_last}
     i_last = tl.minimum(I0 + BC, L) - 1
     b_Gc = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
@@ -293,7 +302,8 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     b_qa = tl.load(q + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr
     b_ba = tl.load(beta + (bos + o_t) * H + i_h, mask=m_r, other=0.).to(tl.float32)
     b_ka = tl.load(k + p_tk, mask=m_rk, other=0.).to(tl.float32) * b_gr * b_ba[:, None]
-    b_dp = tl.dot((tl.trans(b_Aq_col)).to(DT), (b_qa).to(DT), input_precision=PREC) + tl.dot((tl.trans(b_Ak_col)).to(DT), (b_ka).to(DT), input_precision=PREC)
+    b_dp = (tl.dot(tl.trans(b_Aq_col).to(DT), b_qa.to(DT), input_precision=PREC)
+            + tl.dot(tl.trans(b_Ak_col).to(DT), b_ka.to(DT), input_precision=PREC))
     b_dp *= tl.where(m_ik, tl.exp(b_Gc[None, :] - b_G), 0.)
     # ---- diagonal block, token s of the sub-chunk is column s (rows part) and row s (cols part)
     for s in range(0, BC):
@@ -391,7 +401,8 @@ def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_
                  restore_value=["dq", "dk", "dp", "dG"])
 @triton.jit
 def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_part, chunks, TT,
-                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                          H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                          PREC: tl.constexpr):
     i_x, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_s = i_x // NC, i_x % NC
     bos, eos = _chunk_bounds(chunks, i_c)
@@ -402,7 +413,8 @@ def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_pa
         b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d = _load_frags(
             dAqk, dAkk, bos, L, i_s, i_h, H, True, False)
         b_dq, b_dkr, b_dp = _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col,
-                                        b_Aq_d, b_Ak_d, dAqk, dAkk, True, bos, L, i_s, i_h, o_k, m_k, H, K, BK, DT, PREC)
+                                        b_Aq_d, b_Ak_d, dAqk, dAkk, True, bos, L, i_s, i_h,
+                                        o_k, m_k, H, K, BK, DT, PREC)
         b_db = _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_s,
                                i_h, o_k, m_k, H, K)
         o_i = tl.arange(0, BC)
@@ -496,7 +508,8 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
         b_ap += tl.where((rows == bos)[:, None] & m_k[None, :], b_a0[None, :], 0.)
         b_eg = tl.exp(b_ga)
         b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_dk = tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m + 2. * b_ba[:, None] * b_k * b_da
+        b_dk = (tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m
+                + 2. * b_ba[:, None] * b_k * b_da)
         tl.store(dk + p_tk, b_dk, mask=m_tk)
         p_part = (i_k * TT + rows) * H + i_h
         tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
@@ -534,7 +547,8 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
     if lay.NT:
         pkda_bwd_dAv_kernel[(lay.NT, H)](do, Delta, Aqk, dAqk, dv_loc, lay.chunk_bounds, scale,
                                          H=H, V=V, BV=min(64, triton.next_power_of_2(V)),
-                                         DT=_dot_dtype(do.dtype), PREC=_prec(do.dtype), WRITE_DA=write_dA)
+                                         DT=_dot_dtype(do.dtype), PREC=_prec(do.dtype),
+                                         WRITE_DA=write_dA)
     return (dAqk if write_dA else None), dv_loc
 
 
@@ -584,7 +598,8 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     if lay.NT:
         pkda_bwd_intra_kernel[(lay.NT * N_SUB, H, NK)](
             q, k, p, G, beta, dAqk, dAkk, grads["dq"], grads["dk"], grads["dp"], grads["dG"],
-            part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype))
+            part, lay.chunk_bounds, TT, H=H, K=K, BK=BK, DT=_dot_dtype(q.dtype),
+            PREC=_prec(q.dtype))
         n = TT * H
         BLOCK = 1024
         pkda_bwd_beta_reduce_kernel[(triton.cdiv(n, BLOCK),)](grads["dbeta"], part, n, NK=NK,
@@ -731,7 +746,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                 initial_A_state=at["da0"] if initial_A_state is not None else None)
 
 
-# placeholders until the on-chip schedule lands (kept explicit so the seam is complete)
+# The on-chip candidate is not part of this (baseline) schedule set yet.
 def _dav_onchip(ctx):
     raise NotImplementedError("on-chip dAqk schedule not implemented yet")
 

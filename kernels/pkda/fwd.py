@@ -321,26 +321,34 @@ def _store_blk(ptr, blk, T0, Lc, H, i_h, si, sj, BT: tl.constexpr, BC: tl.conste
 
 
 @triton.jit
-def _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr, sj: tl.constexpr,
-                   K: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    # rows in sub-chunk si, columns in sub-chunk sj < si, reference point G_ref = G at the
-    # first row of si: exp(G_r - G_j) = exp(G_r - G_ref) * exp(G_ref - G_j), both <= 1.
+def _intra_rows(q, k, G, beta, T0, Lc, H, i_h, si: tl.constexpr, K: tl.constexpr,
+                BC: tl.constexpr, DT: tl.constexpr):
+    """Row operands of sub-chunk si for its off-diagonal blocks, reference point G_ref = G at
+    the first row of si: k*exp(G - G_ref), q*exp(G - G_ref) (both <= |k|, |q|), G_ref, beta."""
     o = tl.arange(0, BC)
     m_i = (si * BC + o) < Lc
-    m_j = (sj * BC + o) < Lc
     ref = tl.minimum(si * BC, Lc - 1)
     b_gr = tl.load(G + ((T0 + ref) * H + i_h) * K + tl.arange(0, K))
     b_Gi = _tile(G, T0, si * BC, Lc, H, i_h, K, BC)
     b_ei = tl.exp(tl.where(m_i[:, None], b_Gi - b_gr[None, :], 0.))
     b_kg = (_tile(k, T0, si * BC, Lc, H, i_h, K, BC) * b_ei).to(DT)
     b_qg = (_tile(q, T0, si * BC, Lc, H, i_h, K, BC) * b_ei).to(DT)
+    return b_kg, b_qg, b_gr, _col(beta, T0, si * BC, Lc, H, i_h, BC)
+
+
+@triton.jit
+def _intra_offdiag(b_kg, b_qg, b_gr, b_beta, p, G, T0, Lc, H, i_h, scale, sj: tl.constexpr,
+                   K: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    # rows in sub-chunk si (operands from _intra_rows), columns in sub-chunk sj < si:
+    # exp(G_r - G_j) = exp(G_r - G_ref) * exp(G_ref - G_j), both factors <= 1.
+    o = tl.arange(0, BC)
+    m_j = (sj * BC + o) < Lc
     b_Gj = _tile(G, T0, sj * BC, Lc, H, i_h, K, BC)
     b_pj = _tile(p, T0, sj * BC, Lc, H, i_h, K, BC)
     b_pg = tl.where(m_j[:, None], b_pj * tl.exp(tl.where(m_j[:, None], b_gr[None, :] - b_Gj, 0.)), 0.)
     b_pgT = tl.trans(b_pg.to(DT))
     b_Akk = tl.dot(b_kg, b_pgT, input_precision=PREC)
     b_Aqk = tl.dot(b_qg, b_pgT, input_precision=PREC)
-    b_beta = _col(beta, T0, si * BC, Lc, H, i_h, BC)
     return b_Akk * b_beta[:, None], b_Aqk * scale
 
 
@@ -435,7 +443,7 @@ def _store_rows(ptr, val, T0, Lc, H, i_h, si: tl.constexpr, D: tl.constexpr, BC:
     tl.store(ptrs, val.to(ptr.dtype.element_ty), mask=(o < Lc)[:, None])
 
 
-@triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1)]), key=["H", "K", "V"])
+@triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1), ({}, 4, 2)]), key=["H", "K", "V"])
 @triton.jit
 def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_indices, scale, H,
                           K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
@@ -458,12 +466,15 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
     A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD, PREC32)
     A22, Q22 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD, PREC32)
     A33, Q33 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD, PREC32)
-    A10, Q10 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, 0, K, BC, DT, PREC)
-    A20, Q20 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 0, K, BC, DT, PREC)
-    A21, Q21 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, 1, K, BC, DT, PREC)
-    A30, Q30 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 0, K, BC, DT, PREC)
-    A31, Q31 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 1, K, BC, DT, PREC)
-    A32, Q32 = _intra_offdiag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, 2, K, BC, DT, PREC)
+    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 1, K, BC, DT)
+    A10, Q10 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 2, K, BC, DT)
+    A20, Q20 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+    A21, Q21 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
+    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 3, K, BC, DT)
+    A30, Q30 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+    A31, Q31 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
+    A32, Q32 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 2, K, BC, DT, PREC)
 
     # blocks above the diagonal are never written: the launcher allocates zeros
     _store_blk(Aqk, Q00, T0, Lc, H, i_h, 0, 0, BT, BC)

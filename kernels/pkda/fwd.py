@@ -418,6 +418,28 @@ def _inv_unit_lower(A, BC: tl.constexpr):
 
 
 @triton.jit
+def _inv_unit_lower4(A0, A1, A2, A3, BC: tl.constexpr):
+    """_inv_unit_lower of four independent blocks in one loop (four independent chains)."""
+    o = tl.arange(0, BC)
+    T0 = tl.where(o[:, None] == o[None, :], 1., 0.)
+    T1 = T0
+    T2 = T0
+    T3 = T0
+    for r in range(1, BC):
+        sel = o[:, None] == r
+        e_r = tl.where(o == r, 1., 0.)
+        t0 = e_r - tl.sum(tl.sum(tl.where(sel, A0, 0.), 0)[:, None] * T0, 0)
+        t1 = e_r - tl.sum(tl.sum(tl.where(sel, A1, 0.), 0)[:, None] * T1, 0)
+        t2 = e_r - tl.sum(tl.sum(tl.where(sel, A2, 0.), 0)[:, None] * T2, 0)
+        t3 = e_r - tl.sum(tl.sum(tl.where(sel, A3, 0.), 0)[:, None] * T3, 0)
+        T0 = tl.where(sel, t0[None, :], T0)
+        T1 = tl.where(sel, t1[None, :], T1)
+        T2 = tl.where(sel, t2[None, :], T2)
+        T3 = tl.where(sel, t3[None, :], T3)
+    return T0, T1, T2, T3
+
+
+@triton.jit
 def _x_tile(k, G, beta, T0, Lc, H, i_h, sj: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
             DT: tl.constexpr):
     """beta_j * k_j * exp(G_j) for sub-chunk sj (the right factor of W)."""
@@ -500,10 +522,7 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
         _store_blk(Akk, A33, T0, Lc, H, i_h, 3, 3, BT, BC)
 
     # Tinv by blocks: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j<=m<i} A_im T_mj
-    D0 = _inv_unit_lower(A00, BC)
-    D1 = _inv_unit_lower(A11, BC)
-    D2 = _inv_unit_lower(A22, BC)
-    D3 = _inv_unit_lower(A33, BC)
+    D0, D1, D2, D3 = _inv_unit_lower4(A00, A11, A22, A33, BC)
     T10 = -tl.dot(tl.dot(D1, A10, input_precision="ieee"), D0, input_precision="ieee")
     T21 = -tl.dot(tl.dot(D2, A21, input_precision="ieee"), D1, input_precision="ieee")
     T20 = -tl.dot(D2, tl.dot(A20, D0, input_precision="ieee")

@@ -165,12 +165,13 @@ def pkda_fused_recurrent_kernel(
         code = code | tl.where(eos_raw < bos_raw, 4, 0)
         code = code | tl.where((bos_raw > T64) | (eos_raw > T64), 8, 0)
         bad = code != 0
+        ok = code == 0
         tl.atomic_or(err, code, mask=bad)
         bos = tl.minimum(tl.maximum(bos_raw, 0), T64)
         eos = tl.minimum(tl.maximum(eos_raw, bos), T64)
-        eos = tl.where(bad, bos, eos)
+        eos = tl.where(ok, eos, bos)
     else:
-        bad = i_n < 0  # always False
+        ok = i_n >= 0  # always True
         bos = i_n.to(tl.int64) * T64
         eos = bos + T64
     L = (eos - bos).to(tl.int32)
@@ -183,7 +184,6 @@ def pkda_fused_recurrent_kernel(
     nh = i_n.to(tl.int64) * H + i_h
     p_s = nh * K * V + o_k[:, None] * V + o_v[None, :]
     p_a = nh * K + o_k
-    ok = bad == 0
     if HAS_S0:
         b_S = tl.load(h0 + p_s, mask=m_kv & ok, other=0.).to(tl.float32)
     else:

@@ -323,3 +323,36 @@ def test_daqk_schedule_guard(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None, c=cap: c)
         assert s(cuda, dt, 128, 128, env=hw) == want, (cap, dt)
         assert s(cuda, dt, 128, 128, env={}) == "materialised"
+
+
+# --------------------------------------------------------------------------- on-chip candidate
+@pytest.mark.parametrize("B,T,H,K,V,cu", [(1, 100, 2, 128, 64, None),
+                                          (1, 150, 1, 64, 128, [0, 30, 97, 150])])
+def test_onchip_schedule_equals_materialised(B, T, H, K, V, cu):
+    d = make(B, T, H, K, V, cu)
+    sv = saved_from_reference(d)
+    mat = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="materialised")
+    onc = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="onchip")
+    for n in NAMES:
+        if mat[n] is None:
+            assert onc[n] is None
+            continue
+        torch.testing.assert_close(onc[n], mat[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_onchip_dispatch_by_env_uses_no_dAqk_tensor(monkeypatch):
+    """PKDA_DAQK_ONCHIP=1 under the interpreter takes the candidate: no bwd.dAv (dAqk
+    producer), no NK-partial intra, no beta reduction; gradients still match fp64."""
+    d = make(1, 70, 1, 64, 128, [0, 20, 70])
+
+    def forbidden(*a, **k):
+        raise AssertionError("materialised stage launched on the on-chip path")
+
+    monkeypatch.setenv("PKDA_DAQK_ONCHIP", "1")
+    monkeypatch.setattr(bwd, "bwd_dAv", forbidden)
+    monkeypatch.setattr(bwd, "bwd_intra", forbidden)
+    assert bwd.daqk_schedule("cpu", torch.float32, 64, 128) == "onchip"
+    out = bwd.pkda_bwd(*bwd_args(d), saved=saved_from_reference(d))
+    check(out, oracle(d), 2e-5)
+    monkeypatch.setenv("PKDA_DAQK_ONCHIP", "0")
+    assert bwd.daqk_schedule("cpu", torch.float32, 64, 128) == "materialised"

@@ -22,8 +22,10 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
     do              [B,T,H,V]  gradient of o
     dht             [N,H,K,V] or None   gradient of the final state S_T
     dat             [N,H,K]   or None   gradient of the final A state a_T
-    saved           optional dict from the forward; ignored today (everything
-                    is recomputed from the inputs: stage bwd.recompute)
+    saved           optional dict from the forward. If it holds every tensor of
+                    RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta in the forward's
+                    layouts) they are reused; otherwise stage bwd.recompute rebuilds them
+                    with the forward's Triton stage launchers.
 
 Returns a dict of FP32 gradients, same shapes as the matching inputs:
     q, k (w.r.t. the normalised q, k), v, g, g_atk, beta_atk, beta, log_atk_scale [H],
@@ -422,6 +424,92 @@ def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_pa
         tl.store(dbeta_part + (i_k * TT + rows_i) * H + i_h, b_db, mask=(i_s * BC + o_i) < L)
 
 
+# =============================================================================================
+# The candidate schedule ("onchip", design note "The candidate: on-chip dAqk"):
+#   bwd.dAv   -> pkda_bwd_dv_only_kernel: dv_loc = Aqk^T dO only (no dAqk tensor)
+#   bwd.intra -> pkda_bwd_intra_onchip_kernel: one program per (chunk x sub-chunk, head);
+#                the [16,64] row and [64,16] column fragments of dAqk_s (and the [16,16]
+#                diagonal block) are recomputed in FP32 from dO and Delta, the K tiles are
+#                looped inside the program, dbeta is accumulated over that loop and written
+#                once per token (no NK partials, no reduction kernel). dAkk stays materialised.
+# =============================================================================================
+@triton.autotune(configs=_configs([(4, 2), (8, 2)]), key=["H", "V", "DT"])
+@triton.jit
+def pkda_bwd_dv_only_kernel(do, Aqk, dv_loc, chunks, H: tl.constexpr, V: tl.constexpr,
+                            BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos, eos = _chunk_bounds(chunks, i_c)
+    L = eos - bos
+    o_t = tl.arange(0, BT)
+    m_t = o_t < L
+    rows = bos + o_t
+    b_A = tl.load(Aqk + (rows[:, None] * H + i_h) * BT + o_t[None, :],
+                  mask=m_t[:, None] & m_t[None, :], other=0.)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
+        b_dv = tl.dot(tl.trans(b_A).to(DT), b_do.to(DT), input_precision=PREC)
+        tl.store(dv_loc + p_tv, b_dv, mask=m_tv)
+
+
+@triton.autotune(configs=_configs([(4, 1), (8, 1)]), key=["H", "K", "V", "DT"],
+                 restore_value=["dq", "dk", "dp", "dG", "dbeta"])
+@triton.jit
+def pkda_bwd_intra_onchip_kernel(q, k, p, G, beta, do, Delta, dAkk, dq, dk, dp, dG, dbeta,
+                                 chunks, scale,
+                                 H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                                 BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr,
+                                 PREC: tl.constexpr):
+    i_x, i_h = tl.program_id(0), tl.program_id(1)
+    i_c, i_s = i_x // NC, i_x % NC
+    bos, eos = _chunk_bounds(chunks, i_c)
+    L = eos - bos
+    if i_s * BC < L:
+        o_i = tl.arange(0, BC)
+        o_t = tl.arange(0, BT)
+        I0 = i_s * BC
+        ti = I0 + o_i
+        m_i = ti < L
+        m_t = o_t < L
+        i_last = tl.minimum(I0 + BC, L) - 1
+        # ---- dAqk_s fragments on chip, FP32, same mask and scale as bwd.dAv
+        b_Aq_row = tl.zeros([BC, BT], dtype=tl.float32)
+        b_Aq_col = tl.zeros([BT, BC], dtype=tl.float32)
+        b_Aq_d = tl.zeros([BC, BC], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            p_iv = ((bos + ti)[:, None] * H + i_h) * V + o_v[None, :]
+            p_tv = ((bos + o_t)[:, None] * H + i_h) * V + o_v[None, :]
+            b_doi = tl.load(do + p_iv, mask=m_i[:, None] & m_v[None, :], other=0.).to(DT)
+            b_dli = tl.load(Delta + p_iv, mask=m_i[:, None] & m_v[None, :], other=0.).to(DT)
+            b_doa = tl.load(do + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(DT)
+            b_dla = tl.load(Delta + p_tv, mask=m_t[:, None] & m_v[None, :], other=0.).to(DT)
+            b_Aq_row += tl.dot(b_doi, tl.trans(b_dla), input_precision=PREC)
+            b_Aq_col += tl.dot(b_doa, tl.trans(b_dli), input_precision=PREC)
+            b_Aq_d += tl.dot(b_doi, tl.trans(b_dli), input_precision=PREC)
+        b_Aq_row = tl.where(m_i[:, None] & (o_t < I0)[None, :], b_Aq_row * scale, 0.)
+        b_Aq_col = tl.where(((o_t > i_last) & m_t)[:, None] & m_i[None, :], b_Aq_col * scale, 0.)
+        b_Aq_d = tl.where(m_i[:, None] & m_i[None, :] & (o_i[:, None] >= o_i[None, :]),
+                          b_Aq_d * scale, 0.)
+        _, b_Ak_row, _, b_Ak_col, _, b_Ak_d = _load_frags(dAkk, dAkk, bos, L, i_s, i_h, H,
+                                                          False, True)
+        # ---- every K tile inside the program; dbeta accumulated over it
+        b_db = tl.zeros([BC], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_dq, b_dkr, b_dp = _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col,
+                                            b_Ak_col, b_Aq_d, b_Ak_d, dAkk, dAkk, False, bos, L,
+                                            i_s, i_h, o_k, m_k, H, K, BK, DT, PREC)
+            b_db += _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L,
+                                    i_s, i_h, o_k, m_k, H, K)
+        p_b = (bos + ti) * H + i_h
+        tl.store(dbeta + p_b, tl.load(dbeta + p_b, mask=m_i, other=0.) + b_db, mask=m_i)
+
+
 @triton.jit
 def pkda_bwd_beta_reduce_kernel(dbeta, dbeta_part, n, NK: tl.constexpr, BLOCK: tl.constexpr):
     """dbeta += sum over the NK partials (materialised schedule only)."""
@@ -746,10 +834,27 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                 initial_A_state=at["da0"] if initial_A_state is not None else None)
 
 
-# The on-chip candidate is not part of this (baseline) schedule set yet.
 def _dav_onchip(ctx):
-    raise NotImplementedError("on-chip dAqk schedule not implemented yet")
+    """bwd.dAv of the candidate: the lean dv-only producer."""
+    do, lay = ctx["do"], ctx["lay"]
+    B, T, H, V = do.shape
+    dv_loc = _new(do.shape, do, lay.covered)
+    if lay.NT:
+        pkda_bwd_dv_only_kernel[(lay.NT, H)](do, ctx["Aqk"], dv_loc, lay.chunk_bounds, H=H, V=V,
+                                             BV=min(64, triton.next_power_of_2(V)),
+                                             DT=_dot_dtype(do.dtype), PREC=_prec(do.dtype))
+    return dv_loc
 
 
 def _intra_onchip(ctx, grads):
-    raise NotImplementedError("on-chip dAqk schedule not implemented yet")
+    """bwd.intra of the candidate: dAqk fragments recomputed on chip, K loop inside."""
+    q, lay, do = ctx["q"], ctx["lay"], ctx["do"]
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    if lay.NT:
+        pkda_bwd_intra_onchip_kernel[(lay.NT * N_SUB, H)](
+            q, ctx["k"], ctx["p"], ctx["G"], ctx["beta"], do, ctx["Delta"], grads["dAkk"],
+            grads["dq"], grads["dk"], grads["dp"], grads["dG"], grads["dbeta"], lay.chunk_bounds,
+            ctx["scale"], H=H, K=K, V=V, BK=_bk(K), BV=min(64, triton.next_power_of_2(V)),
+            DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype))
+    return grads

@@ -147,6 +147,7 @@ TRITON_CASES = [
     (1, 100, 1, 128, 64, None, False, False),
     (1, 150, 1, 64, 128, [0, 30, 97, 150], True, True),
     (1, 80, 1, 128, 64, [0, 10, 70], False, True),   # tokens 70..79 belong to no sequence
+    (1, 90, 1, 64, 64, [0, 30, 30, 90], True, True),  # an empty sequence
 ]
 
 
@@ -274,8 +275,11 @@ def test_triton_stages_match_reference_stages(B, T, H, K, V, cu):
 
 
 # --------------------------------------------------------------------------- the public op
-def test_op_gradients_match_naive_fp64():
+@pytest.mark.parametrize("onchip", ["0", "1"])
+def test_op_gradients_match_naive_fp64(onchip, monkeypatch):
+    """Through torch.autograd on the public op, with either dAqk schedule."""
     op = pytest.importorskip("kernels.pkda.op")
+    monkeypatch.setenv("PKDA_DAQK_ONCHIP", onchip)
     B, T, H, K, V = 1, 70, 1, 64, 64
     d = make(B, T, H, K, V, [0, 25, 70], dtype=torch.float64)
     raw = dict(q=torch.randn(B, T, H, K, dtype=torch.float64),

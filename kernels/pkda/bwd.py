@@ -36,10 +36,32 @@ The caller casts to the input dtypes.
 Semantics: gradients of  sum(o*do) + sum(S_T*dht) + sum(a_T*dat)  for the recurrence
 of shared/design/pkda.md (a_t, r_t, m_t, p_t = k_t m_t, S_t, o_t = S_t^T (scale q_t)).
 
-Stages (each inside NVTX range ``pkda.bwd.<stage>``): recompute, dAv, dhu, wy_dqkg,
-intra, atk.  ``bwd.dAv`` + ``bwd.intra`` (+ beta reduction) sit behind one seam,
-``_dAv_and_intra``, whose schedule is chosen by ``daqk_schedule`` ("materialised" by
-default).
+Stages (each inside NVTX range ``pkda.bwd.<stage>``, opened inside pkda_bwd so they sit
+on the thread that launches the kernels) and their kernels:
+
+    recompute  the forward's fwd_atk / fwd_intra / fwd_h launchers (kernels/pkda/fwd.py)
+    dAv        pkda_bwd_dAv_kernel        dAqk_s = scale*tril(dO Delta^T) FP32 [B,T,H,64],
+                                          dv_loc = Aqk^T dO                  grid (NT, H)
+    dhu        pkda_bwd_dhu_kernel        reverse over chunks: dE per chunk, dDelta, dS0
+                                                                             grid (N*H, NV)
+    wy_dqkg    pkda_bwd_wy_dqkg_kernel    inter-chunk dq/dk/dp/dG, dv, dbeta, dAkk FP32
+                                                                             grid (NT, H)
+    intra      pkda_bwd_intra_kernel      + pkda_bwd_beta_reduce_kernel      grid (NT*4, H, NK)
+               pkda_bwd_dg_cumsum_kernel  dg = in-chunk reverse cumsum of dG
+    atk        pkda_bwd_atk_kernel        dp -> dk, dg_atk, dbeta_atk, dc, da0  grid (N*H*NK,)
+(NT = chunks of all sequences, N = sequences; products sit in grid X only.)
+
+The dAqk seam: ``bwd.dAv`` + ``bwd.intra`` (+ the beta reduction) are one replaceable unit,
+``_dAv_and_intra(schedule) -> (producer, consumer)``, the schedule chosen by
+``daqk_schedule(device, dtype, K, V)``:
+    "materialised" (default, the baseline): pkda_bwd_dAv_kernel writes dAqk; the intra
+        grid has an NK dimension; dbeta via [NK,B,T,H] partials + pkda_bwd_beta_reduce_kernel.
+    "onchip" (the design note's candidate; only with PKDA_DAQK_ONCHIP=1 and the guard):
+        pkda_bwd_dv_only_kernel (no dAqk tensor), pkda_bwd_intra_onchip_kernel per
+        (chunk x 16-token sub-chunk, head) recomputing the [16,64] row / [64,16] column
+        fragments of dAqk_s (+ the [16,16] diagonal block) from dO and Delta, K tiles looped
+        inside, dbeta written once per token. dAkk stays materialised; no atomics.
+Both schedules share _intra_tile (the same gate placement, masks and FP32 accumulation).
 """
 from __future__ import annotations
 

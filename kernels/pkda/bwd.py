@@ -786,7 +786,7 @@ def daqk_schedule(device, dtype, K, V, env=None) -> str:
         return "onchip" if ok_dtype else "materialised"
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return "materialised"
-    cap = torch.cuda.get_device_capability(device.index if device.index is not None else 0)
+    cap = torch.cuda.get_device_capability(device)  # device without index: the current one
     return "onchip" if tuple(cap) in ONCHIP_CAPABILITIES else "materialised"
 
 

@@ -112,7 +112,7 @@ def stage_shares(fn, iters=3):
 
 
 def rel(a, b):
-    a, b = a.float(), b.float()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
@@ -133,6 +133,41 @@ def cross_check(ours, fla_op, inputs_mod, shape, seed=0):
         if n in sides["ours"]:
             res[n] = rel(sides["ours"][n], ref)
     return res
+
+
+def naive_check(device="cuda", cases=None):
+    """Our op (o, finals and every gradient) vs the fp64 naive recurrence on small shapes:
+    fp32 dense K != V, bf16 dense, bf16 varlen with an empty sequence. Returns records."""
+    import torch.nn.functional as F
+    from kernels.pkda import chunk_precond_kda, naive_recurrent_precond_kda
+    cases = cases or [(torch.float32, 64, 128, 200, None), (torch.bfloat16, 128, 128, 300, None),
+                      (torch.bfloat16, 128, 64, 300, [0, 37, 37, 300])]
+    out = []
+    for dt, K, V, T, cu in cases:
+        B, H = (1 if cu else 2), 2
+        N = len(cu) - 1 if cu else B
+        gen = torch.Generator().manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=gen)
+        d = dict(q=r(B, T, H, K), k=r(B, T, H, K), v=r(B, T, H, V), g=F.logsigmoid(r(B, T, H, K)),
+                 g_atk=F.logsigmoid(r(B, T, H)), beta_atk=torch.sigmoid(r(B, T, H)),
+                 beta=torch.sigmoid(r(B, T, H)))
+        d = {n: t.to(dt).to(device) for n, t in d.items()}
+        d.update(log_atk_scale=r(H).to(device), initial_state=r(N, H, K, V).to(device),
+                 initial_A_state=torch.rand(N, H, K, generator=gen).to(device))
+        cs = torch.tensor(cu, dtype=torch.int32, device=device) if cu else None
+        leaves = {n: t.clone().requires_grad_(True) for n, t in d.items()}
+        res = chunk_precond_kda(**leaves, output_final_state=True, cu_seqlens=cs)
+        w = [torch.randn(t.shape, generator=gen).to(device) for t in res]
+        sum((a * b).sum() for a, b in zip(res, w)).backward()
+        ref = {n: t.double().requires_grad_(True) for n, t in d.items()}
+        nres = naive_recurrent_precond_kda(**ref, output_final_state=True, cu_seqlens=cs,
+                                           compute_dtype=torch.float64)
+        sum((a.double() * b.double()).sum() for a, b in zip(nres, w)).backward()
+        rec = dict(dtype=str(dt), K=K, V=V, T=T, cu_seqlens=cu)
+        rec.update({n: rel(a, b) for n, a, b in zip(("o", "final_state", "final_A_state"), res, nres)})
+        rec.update({f"d{n}": rel(leaves[n].grad, ref[n].grad) for n in d})
+        out.append(rec)
+    return out
 
 
 def run_row(name, shape, mode, args, ours, fla_op, inputs_mod):
@@ -216,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-profile", action="store_true")
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--naive-check", action="store_true",
+                    help="first check o, finals and all grads vs the fp64 naive on small shapes")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         log("no CUDA device: nothing to benchmark")
@@ -226,6 +263,11 @@ def main(argv=None):
     log(f"device {torch.cuda.get_device_name()}  torch {torch.__version__}  "
         f"triton {__import__('triton').__version__}")
     records = []
+    if args.naive_check:
+        for rec in naive_check():
+            log("naive check: " + ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}"
+                                            for k, v in rec.items()))
+            records.append(dict(naive_check=rec))
     for name, shape in ROWS.items():
         if not re.search(args.rows, name):
             continue

@@ -117,3 +117,22 @@ def test_op_defaults_and_no_final_state():
     assert S is None and a is None and o.shape == (1, 5, 1, 64)
     n, _, _ = naive_recurrent_precond_kda(**d, compute_dtype=torch.float64)
     assert ((o.double() - n).norm() / n.norm()).item() < 1e-5
+
+
+def test_op_fp16_empty_and_uncovered_tail():
+    rel = lambda a, b: ((a.double() - b.double()).norm() / b.double().norm()).item()
+    d = make(B=1, T=70, H=1, dtype=torch.float16, seed=4)
+    o, S, a = chunk_precond_kda(**d, output_final_state=True)
+    n = naive_recurrent_precond_kda(**d, output_final_state=True, compute_dtype=torch.float64)
+    assert o.dtype == torch.float16 and rel(o, n[0]) < 3e-3 and rel(S, n[1]) < 3e-3 and rel(a, n[2]) < 3e-3
+    # T = 0: outputs empty, finals = initial states
+    d = make(B=2, T=0, H=1)
+    S0 = torch.randn(2, 1, 64, 64)
+    o, S, a = chunk_precond_kda(**d, output_final_state=True, initial_state=S0)
+    assert o.shape == (2, 0, 1, 64) and torch.equal(S, S0) and (a == 0).all()
+    # cu_seqlens ending before T: tokens past the last sequence are zeros
+    d = make(B=1, T=10, H=1)
+    cu = torch.tensor([0, 3, 6])
+    o, S, _ = chunk_precond_kda(**d, output_final_state=True, cu_seqlens=cu)
+    n = naive_recurrent_precond_kda(**d, output_final_state=True, cu_seqlens=cu, compute_dtype=torch.float64)
+    assert rel(o, n[0]) < 1e-5 and (o[0, 6:] == 0).all() and rel(S, n[1]) < 1e-5

@@ -134,7 +134,8 @@ def l2norm_fwd(x: torch.Tensor, eps: float = 1e-6):
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     BR = 16
-    pkda_fwd_l2norm_kernel[grid_l2norm(R, BR)](x, y, rstd, R, eps, D=D, BR=BR, num_warps=4)
+    if R:
+        pkda_fwd_l2norm_kernel[grid_l2norm(R, BR)](x, y, rstd, R, eps, D=D, BR=BR, num_warps=4)
     return y, rstd
 
 
@@ -145,7 +146,8 @@ def l2norm_bwd(y: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor, out_dtype=
     R = y.numel() // D
     dx = torch.empty(y.shape, dtype=out_dtype or dy.dtype, device=y.device)
     BR = 16
-    pkda_bwd_l2norm_kernel[grid_l2norm(R, BR)](y.contiguous(), rstd.contiguous(), dy, dx, R,
+    if R:
+        pkda_bwd_l2norm_kernel[grid_l2norm(R, BR)](y.contiguous(), rstd.contiguous(), dy, dx, R,
                                                D=D, BR=BR, num_warps=4)
     return dx
 

@@ -37,7 +37,8 @@ def _shape(name, t, want, dims):
 
 def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
              log_atk_scale):
-    """Raises ValueError / TypeError naming the offending argument. Returns N (sequences)."""
+    """Raises ValueError / TypeError naming the offending argument.
+    Returns cu_seqlens as a host list (None when dense): the call's only host sync."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("g_atk", g_atk),
                     ("beta_atk", beta_atk), ("beta", beta)):
         if not torch.is_tensor(t):
@@ -89,7 +90,7 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
             raise ValueError(f"cu_seqlens ends at {cs[-1]}, past T={T}")
         N = len(cs) - 1
     else:
-        N = B
+        N, cs = B, None
 
     where = "len(cu_seqlens)-1" if cu_seqlens is not None else "B"
     if initial_state is not None:
@@ -115,15 +116,15 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
     if torch.is_tensor(log_atk_scale) and log_atk_scale.numel() != H:
         raise ValueError(f"log_atk_scale must have H={H} entries, got shape "
                          f"{tuple(log_atk_scale.shape)}")
-    return N
+    return cs
 
 
 class PKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state,
-                initial_A_state, scale, output_final_state, cu_seqlens, x, eps):
+                initial_A_state, scale, output_final_state, cu_seqlens, x, eps, host_cu):
         B, T, H, K = q.shape
-        layout = make_layout(B, T, cu_seqlens, q.device)
+        layout = make_layout(B, T, cu_seqlens, q.device, host_cu=host_cu)
         c = log_atk_scale.to(torch.float32).reshape(H).contiguous()
         o, S_fin, a_fin, saved = pkda_fwd(
             q, k, v, g, g_atk, beta_atk, beta, scale, c, initial_state, initial_A_state,
@@ -156,7 +157,7 @@ class PKDAFunction(torch.autograd.Function):
         return (dq, dk, cast(gr["v"], dts[2]), cast(gr["g"], dts[3]), cast(gr["g_atk"], dts[4]),
                 cast(gr["beta_atk"], dts[5]), cast(gr["beta"], dts[6]), dc,
                 cast(gr["initial_state"], torch.float32), cast(gr["initial_A_state"], torch.float32),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_state=None,
@@ -170,8 +171,8 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
     Returns (o [B,T,H,V] in v.dtype, final_state [N,H,K,V] fp32 | None,
     final_A_state [N,H,K] fp32 | None).
     """
-    validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
-             log_atk_scale)
+    host_cu = validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state,
+                       cu_seqlens, log_atk_scale)
     H, K = q.shape[2], q.shape[3]
     if scale is None:
         scale = K ** -0.5
@@ -183,4 +184,4 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
         raise ValueError(f"x must be > 0 (the squash spans [1/x, x]), got {x}")
     return PKDAFunction.apply(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state,
                               initial_A_state, float(scale), bool(output_final_state), cu_seqlens,
-                              float(x), float(eps))
+                              float(x), float(eps), host_cu)

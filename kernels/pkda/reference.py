@@ -76,12 +76,14 @@ class ChunkLayout:
         return max([(e - b + CHUNK - 1) // CHUNK for b, e in self.bounds] + [0])
 
 
-def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device) -> ChunkLayout:
-    """Builds the chunk layout on the host, once per call (one host sync for varlen)."""
+def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device,
+                host_cu: list | None = None) -> ChunkLayout:
+    """Builds the chunk layout on the host, once per call (one host sync for varlen, none
+    when the caller already holds cu_seqlens on the host as `host_cu`)."""
     if cu_seqlens is None:
         bounds = [(b * T, (b + 1) * T) for b in range(B)]
     else:
-        cs = [int(i) for i in cu_seqlens.tolist()]
+        cs = [int(i) for i in (host_cu if host_cu is not None else cu_seqlens.tolist())]
         bounds = [(cs[n], cs[n + 1]) for n in range(len(cs) - 1)]
     chunks, offsets = [], [0]
     for n, (bos, eos) in enumerate(bounds):

@@ -79,6 +79,9 @@ def training_job_row(loaded: LoadedExperiment, row: TrainingRow) -> dict:
 def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
     """The block's environment: the side's declared env and its own persistent Triton cache."""
     env = dict(os.environ)
+    # Autotune timings persist in the side's cache: every fresh block process would otherwise
+    # benchmark every config again (seconds per kernel and shape on the H200). A side's env wins.
+    env["TRITON_CACHE_AUTOTUNING"] = "1"
     env.update(getattr(loaded.exp, side).env)
     env["TRITON_CACHE_DIR"] = str((profile_root / loaded.exp.name / "triton-cache" / side).resolve())
     env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

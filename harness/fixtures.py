@@ -38,7 +38,6 @@ from harness import attempts
 from harness.revisions import Revisions, open_repo
 from harness.spec import LoadedExperiment
 
-HARNESS_ROOT = Path(__file__).resolve().parents[1]
 MANIFEST_FORMAT = "harness-oracle-manifest/1"
 FREEZE_FILE = "freeze.json"
 ZERO_SHA = "0" * 40
@@ -205,14 +204,10 @@ def frozen_path_list(loaded: LoadedExperiment, repo_path, commit: str) -> list[s
 # --- the worker ------------------------------------------------------------------------------------
 
 def worker_env(loaded: LoadedExperiment, side: str, profile_root, device: str) -> dict[str, str]:
-    """The side's declared env, its own Triton cache, this checkout first on PYTHONPATH."""
-    env = dict(os.environ)
-    env.update(getattr(loaded.exp, side).env)
-    env["TRITON_CACHE_DIR"] = str((Path(profile_root) / loaded.exp.name / "triton-cache" / side).resolve())
-    env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    if device == "cpu":
-        env["TRITON_INTERPRET"] = "1"
-    return env
+    """The side's block environment (harness.bench.side_env), so the oracle runs share its Triton cache."""
+    from harness.bench import side_env
+
+    return side_env(loaded, side, Path(profile_root), cpu_mode=device == "cpu")
 
 
 def run_worker(job: dict, env: dict, work_dir: Path, timeout: float | None = None) -> dict:

@@ -169,12 +169,17 @@ def paired_block_speedup(base_blocks: Blocks, cand_blocks: Blocks, confidence: f
                          method: str = DEFAULT_CI_METHOD) -> Interval:
     """Speedup S = median(all baseline samples) / median(all candidate samples), with a block
     bootstrap interval over blocks paired by position (i-th baseline with i-th candidate).
+    When the block counts differ (a failed block), both the point and the interval use the first
+    min(n) blocks of each side, and `note` says so.
 
     With fewer than 2 pairs (or a side without samples) the interval bounds are None."""
     base, cand, note = _pairs(base_blocks, cand_blocks)
+    n = min(len(base), len(cand))
+    if n >= 2 and len(base) != len(cand):
+        # the point describes the same paired blocks as its interval (else it can fall outside)
+        base, cand = base[:n], cand[:n]
     mb, mc = _pooled_median(base), _pooled_median(cand)
     point = mb / mc if mb is not None and mc is not None and mc > 0 else None
-    n = min(len(base), len(cand))
     out = Interval(point, None, None, confidence, n, "none", len(base), len(cand), note)
     if point is None:
         out.note = "; ".join(x for x in (note, "a side has no samples") if x)

@@ -143,8 +143,8 @@ def test_unequal_block_counts_pair_first_min_and_say_so():
     iv = paired_block_speedup(base, cand)
     assert iv.n_blocks == 3 and iv.n_base_blocks == 5 and iv.n_cand_blocks == 3
     assert "first 3" in iv.note
-    # the point still uses every sample of each side
-    assert iv.point == pytest.approx(np.median(np.concatenate(base)) / np.median(np.concatenate(cand)))
+    # the point uses the same paired blocks as the interval, so it cannot fall outside it
+    assert iv.point == pytest.approx(np.median(np.concatenate(base[:3])) / np.median(np.concatenate(cand)))
 
 
 # --- geomean, time ratio, noise floor ------------------------------------------------------------
@@ -209,3 +209,14 @@ def test_mann_whitney_matches_scipy():
     assert mann_whitney_p(a, b) == pytest.approx(st.mannwhitneyu(a, b, alternative="two-sided").pvalue)
     assert mann_whitney_p([1, 2, 3], [1, 2, 3]) == pytest.approx(1.0)
     assert math.isnan(mann_whitney_p([], [1.0]))
+
+
+def test_point_lies_inside_its_interval_when_block_counts_differ():
+    from harness.stats import paired_block_speedup
+
+    base = [[10.0, 10.2, 9.9], [10.1, 10.0, 10.3], [10.2, 9.8, 10.0], [30.0, 31.0, 29.0]]  # a slow extra block
+    cand = [[5.0, 5.1, 4.9], [5.05, 5.0, 5.1], [5.1, 4.95, 5.0]]
+    iv = paired_block_speedup(base, cand, n_resamples=999, seed=1)
+    assert iv.n_blocks == 3 and "first 3" in iv.note
+    assert iv.lo <= iv.point <= iv.hi
+    assert abs(iv.point - 2.0) < 0.05

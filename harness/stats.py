@@ -116,7 +116,7 @@ def _pairs(base_blocks: Blocks, cand_blocks: Blocks) -> tuple[list[np.ndarray], 
     if len(base) != len(cand):
         n = min(len(base), len(cand))
         note = (f"block counts differ (baseline {len(base)}, candidate {len(cand)}): "
-                f"the interval pairs the first {n} of each by position")
+                f"the point and interval pair the first {n} of each by position")
     return base, cand, note
 
 
@@ -174,13 +174,13 @@ def paired_block_speedup(base_blocks: Blocks, cand_blocks: Blocks, confidence: f
 
     With fewer than 2 pairs (or a side without samples) the interval bounds are None."""
     base, cand, note = _pairs(base_blocks, cand_blocks)
-    n = min(len(base), len(cand))
+    n, n_base, n_cand = min(len(base), len(cand)), len(base), len(cand)
     if n >= 2 and len(base) != len(cand):
         # the point describes the same paired blocks as its interval (else it can fall outside)
         base, cand = base[:n], cand[:n]
     mb, mc = _pooled_median(base), _pooled_median(cand)
     point = mb / mc if mb is not None and mc is not None and mc > 0 else None
-    out = Interval(point, None, None, confidence, n, "none", len(base), len(cand), note)
+    out = Interval(point, None, None, confidence, n, "none", n_base, n_cand, note)
     if point is None:
         out.note = "; ".join(x for x in (note, "a side has no samples") if x)
         return out

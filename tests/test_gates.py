@@ -207,8 +207,13 @@ def test_peak_alloc_pass_fail_inconclusive():
 
 
 def test_peak_alloc_with_a_forbidden_expression_is_never_pass():
-    gate = dict(PEAK, min_reduction_bytes="__import__(os).getcwd()")  # gets past the schema's character check
-    r = one(gate, peak_ev())
+    bad = "__import__(os).getcwd()"
+    with pytest.raises(Exception, match="Call is not allowed"):  # the schema refuses it at load
+        make_exp([dict(PEAK, min_reduction_bytes=bad)])
+    # and should a gate object carry it anyway, the evaluator still never runs it
+    exp = make_exp([PEAK])
+    gate = exp.gates[0].model_copy(update={"min_reduction_bytes": bad})
+    r = evaluate_gate(gate, peak_ev(), exp=exp)
     assert r.status == "INCONCLUSIVE" and "not allowed" in r.reason
 
 

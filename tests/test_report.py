@@ -166,7 +166,8 @@ def test_report_json_numbers(built):
     assert [b["index"] for b in data["blocks"] if b["low_clock"]] == [3]
     assert {g["name"] for g in data["geomeans"]} >= {"geomean-fwdbwd", "all rows (fwd)", "all rows (fwdbwd)"}
     prov = data["provenance"]
-    assert prov["candidate"]["branch"] == BRANCH and prov["bench_base"] == {"sha": "f" * 40}
+    assert prov["candidate"]["branch"] == BRANCH and prov["bench_base"] is None  # nothing frozen in this run
+    assert prov["versions"]["harness_sha"] == "f" * 40  # the harness SHA is provenance, not BENCH_BASE
     assert data["experiment"]["description"].endswith(XSS)
 
 

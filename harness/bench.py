@@ -104,7 +104,8 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         attempt = uuid.uuid4().hex[:12]
         job = {
             "samples_path": str(samples_path.resolve()), "block": index, "side": side, "attempt": attempt,
-            "worktree": getattr(revisions, side).worktree, "op": exp.target.op,
+            "worktree": getattr(revisions, side).worktree, "op": getattr(exp, side).op or exp.target.op,
+            "package": getattr(exp, side).package.model_dump() if getattr(exp, side).is_package else None,
             "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn,
             "shapes": [s.model_dump(exclude_none=True) for s in settings.shapes], "modes": list(exp.modes),
             "dtype": settings.dtype, "seed": exp.seed, "samples": settings.samples_per_block,
@@ -116,7 +117,7 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         job_path = run_dir / "jobs" / f"block-{index:03d}-{side}.json"
         job_path.parent.mkdir(parents=True, exist_ok=True)
         job_path.write_text(json.dumps(job, indent=1))
-        log(f"block {index + 1}/{len(plan)} {side} ({getattr(revisions, side).sha[:10]})")
+        log(f"block {index + 1}/{len(plan)} {side} ({getattr(revisions, side).sha[:10] or getattr(revisions, side).ref})")
         log_path = run_dir / "logs" / f"block-{index:03d}-{side}-{attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("w") as out:

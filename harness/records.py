@@ -41,6 +41,7 @@ class Block:
     peaks: dict[RowKey, int] = field(default_factory=dict)
     kernels: dict[RowKey, dict] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
+    provenance: dict | None = None  # where a package side's op was imported from, and its version
     train_ms: dict[str, list[float]] = field(default_factory=dict)  # row -> timed step times
     train_losses: dict[str, list[float]] = field(default_factory=dict)  # row -> loss of every step, warm-up first
     train_tokens: dict[str, int] = field(default_factory=dict)  # row -> tokens per step
@@ -115,6 +116,8 @@ def load_blocks(samples_path: Path) -> list[Block]:
                 b.train_ms.setdefault(name, []).append(float(rec["ms"]))
         elif kind == "train_row":
             b.train_rows[rec["row"]] = {k: v for k, v in rec.items() if k not in ("type", "block", "side", "attempt")}
+        elif kind == "provenance":
+            b.provenance = {k: v for k, v in rec.items() if k not in ("type", "block", "side", "attempt")}
         elif kind == "failure":
             b.failures.append({k: rec.get(k) for k in ("shape", "mode", "error")})
         elif kind == "block_end":

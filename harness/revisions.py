@@ -23,11 +23,14 @@ class RevisionError(Exception):
 @dataclass(frozen=True)
 class ResolvedSide:
     side: str
-    ref: str  # as written in the experiment
-    sha: str  # full commit SHA
+    ref: str  # as written in the experiment ("name==version" for an installed package)
+    sha: str  # full commit SHA ("" for an installed package)
     branch: str | None  # the branch name when ref names a branch
-    worktree: str  # absolute path
+    worktree: str  # absolute path ("" for an installed package: the op is imported as installed)
     subject: str  # the commit's first line (shown in the report, escaped there)
+    kind: str = "git"  # git | package
+    package: str | None = None  # distribution name of a package side
+    version: str | None = None  # the exact version a package side must have at block start
 
 
 @dataclass(frozen=True)
@@ -79,28 +82,40 @@ def _ensure_worktree(repo: git.Repo, path: Path, sha: str) -> None:
     repo.git.worktree("add", "--force", "--detach", str(path), sha)
 
 
+def _package_side(side: str, rev) -> ResolvedSide:
+    pkg = rev.package
+    return ResolvedSide(side=side, ref=f"{pkg.name}=={pkg.version}", sha="", branch=None, worktree="",
+                        subject=f"installed package {pkg.name}=={pkg.version}", kind="package",
+                        package=pkg.name, version=pkg.version)
+
+
 def resolve(loaded: LoadedExperiment, profile_root: Path) -> Revisions:
     exp = loaded.exp
-    repo = open_repo(loaded.target_repo)
-    base_sha, _ = resolve_ref(repo, exp.baseline.ref, "baseline.ref")
-    if not base_sha.startswith(exp.baseline.ref):
-        # a branch or tag name that happens to be hex: the baseline must be an exact commit
-        raise RevisionError(f"baseline.ref {exp.baseline.ref!r} is not a commit SHA (it resolved to {base_sha})")
-    cand_sha, cand_branch = resolve_ref(repo, exp.candidate.ref, "candidate.ref")
+    needs_git = not (exp.baseline.is_package and exp.candidate.is_package)
+    repo = open_repo(loaded.target_repo) if needs_git else None
     sides = {}
-    for side, ref, sha, branch in (("baseline", exp.baseline.ref, base_sha, None),
-                                   ("candidate", exp.candidate.ref, cand_sha, cand_branch)):
+    for side in ("baseline", "candidate"):
+        declared = getattr(exp, side)
+        if declared.is_package:
+            sides[side] = _package_side(side, declared)
+            continue
+        sha, branch = resolve_ref(repo, declared.ref, f"{side}.ref")
+        if side == "baseline" and not sha.startswith(declared.ref):
+            # a branch or tag name that happens to be hex: the baseline must be an exact commit
+            raise RevisionError(f"baseline.ref {declared.ref!r} is not a commit SHA (it resolved to {sha})")
         wt = (profile_root / exp.name / "worktrees" / side).resolve()
         _ensure_worktree(repo, wt, sha)
-        sides[side] = ResolvedSide(side=side, ref=ref, sha=sha, branch=branch, worktree=str(wt),
-                                   subject=repo.commit(sha).summary)
+        sides[side] = ResolvedSide(side=side, ref=declared.ref, sha=sha, branch=branch if side == "candidate" else None,
+                                   worktree=str(wt), subject=repo.commit(sha).summary)
     return Revisions(repo=str(loaded.target_repo), baseline=sides["baseline"], candidate=sides["candidate"])
 
 
 def check_unmoved(revisions: Revisions) -> None:
     """Stop rather than mix two candidates in one comparison."""
-    repo = open_repo(Path(revisions.repo))
     cand = revisions.candidate
+    if cand.kind == "package":
+        return  # checked against its version at every block start instead
+    repo = open_repo(Path(revisions.repo))
     now, _ = resolve_ref(repo, cand.ref, "candidate.ref")
     if now != cand.sha:
         raise RevisionError(

@@ -37,6 +37,9 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+_OP_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+
+
 class Target(Strict):
     repo: str = "."  # relative to the repository that holds the experiment file
     op: str  # "module:function", imported from each side's worktree
@@ -45,7 +48,7 @@ class Target(Strict):
     @field_validator("op")
     @classmethod
     def _op_form(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v):
+        if not re.fullmatch(_OP_FORM, v):
             raise ValueError("expected 'package.module:function'")
         return v
 
@@ -57,16 +60,44 @@ class Target(Strict):
         return v
 
 
+class Package(Strict):
+    """An installed distribution as one side (e.g. the public op from fla-core at a version)."""
+
+    name: str  # distribution name, as `pip show` spells it
+    version: str  # exact version; checked at every block start
+
+    @field_validator("name", "version")
+    @classmethod
+    def _safe(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,99}", v):
+            raise ValueError(f"{v!r}: letters, digits and '._+-' only")
+        return v
+
+
 class Revision(Strict):
-    ref: str
+    """One side: a git revision of the target repository (`ref`), or an installed package
+    (`package`, with the side's own `op` import path); `env` adds environment variables, so an
+    env-only candidate is the same ref with different variables."""
+
+    ref: str | None = None
+    package: Package | None = None
+    op: str | None = None  # this side's 'module:function' when it differs from target.op
     env: dict[str, str] = Field(default_factory=dict)
 
     @field_validator("ref")
     @classmethod
-    def _ref_safe(cls, v: str) -> str:
+    def _ref_safe(cls, v: str | None) -> str | None:
         # git check-ref-format rules, plus no shell metacharacters: refs reach sbatch scripts.
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", v) or ".." in v or v.endswith((".lock", "/", ".")):
+        if v is not None and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,199}", v) or ".." in v
+                              or v.endswith((".lock", "/", "."))):
             raise ValueError(f"{v!r} is not a valid git ref (letters, digits, '._/-' only)")
+        return v
+
+    @field_validator("op")
+    @classmethod
+    def _op_form(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(_OP_FORM, v):
+            raise ValueError("expected 'package.module:function'")
         return v
 
     @field_validator("env")
@@ -77,12 +108,22 @@ class Revision(Strict):
                 raise ValueError(f"environment variable name {key!r} must match [A-Z_][A-Z0-9_]*")
         return v
 
+    @model_validator(mode="after")
+    def _one_kind(self) -> "Revision":
+        if (self.ref is None) == (self.package is None):
+            raise ValueError("give exactly one of `ref` (a git revision) or `package` (an installed distribution)")
+        return self
+
+    @property
+    def is_package(self) -> bool:
+        return self.package is not None
+
 
 class BaselineRevision(Revision):
     @field_validator("ref")
     @classmethod
-    def _sha(cls, v: str) -> str:
-        if not re.fullmatch(r"[0-9a-f]{7,40}", v):
+    def _sha(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[0-9a-f]{7,40}", v):
             raise ValueError(f"baseline.ref must be a commit SHA (7-40 hex digits), got {v!r}")
         return v
 
@@ -484,6 +525,11 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
         if missing:
             out.append(("cpu.training", f"names {missing}, not in training {sorted(train_names)} "
                         "(a CPU row stands in for the training row of the same name)"))
+    if exp.baseline.is_package:
+        for section in ("fixtures", "profile"):
+            if getattr(exp, section) is not None:
+                out.append((section, f"needs a git baseline (`baseline.ref`): an installed package has no "
+                                     "worktree to freeze or profile"))
     gate_names = [g.name for g in exp.gates]
     if len(set(gate_names)) != len(gate_names):
         out.append(("gates", f"gate names must be unique, got {gate_names}"))

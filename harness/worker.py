@@ -41,11 +41,23 @@ def _load_inputs(file: str, fn: str):
     return getattr(module, fn)
 
 
-def _load_op(worktree: str, op: str):
-    sys.path.insert(0, worktree)
-    module_name, fn = op.split(":")
+def _load_op(worktree: str, op: str, package: dict | None = None):
+    """The side's op: from its worktree (git side), or as installed at the declared version."""
     import importlib
 
+    module_name, fn = op.split(":")
+    if package:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version(package["name"])
+        except PackageNotFoundError as e:
+            raise RuntimeError(f"package {package['name']!r} is not installed (the side declares "
+                               f"{package['name']}=={package['version']})") from e
+        if found != package["version"]:
+            raise RuntimeError(f"package {package['name']} is {found}, the side declares {package['version']}")
+        return getattr(importlib.import_module(module_name), fn)
+    sys.path.insert(0, worktree)
     module = importlib.import_module(module_name)
     origin = Path(module.__file__).resolve()
     if not str(origin).startswith(str(Path(worktree).resolve())):
@@ -138,7 +150,12 @@ def run_block(job: dict) -> int:
     status, error = "ok", None
     try:
         make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
-        op = _load_op(job["worktree"], job["op"])
+        op = _load_op(job["worktree"], job["op"], job.get("package"))
+        if job.get("package"):
+            import importlib
+
+            module = importlib.import_module(job["op"].split(":")[0])
+            emit("provenance", module_file=str(Path(module.__file__).resolve()), package=job["package"])
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cpu":
             # one thread: blocks on a shared CPU are steadier, and the two sides get the same

@@ -113,11 +113,13 @@ def build_job(loaded: LoadedExperiment, worktree: str, out_path: Path, cpu_mode:
     _, inputs_fn = exp.target.inputs.split(":")
     warmup = exp.cpu.warmup if (cpu_mode and exp.cpu is not None) else exp.warmup
     return {
-        "out_path": str(out_path.resolve()), "worktree": worktree, "op": exp.target.op,
+        "out_path": str(out_path.resolve()), "worktree": worktree, "op": exp.baseline.op or exp.target.op,
         "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn,
         "rows": [(s.model_dump(exclude_none=True), m) for s in shapes for m in profile_modes(loaded)],
         "dtype": "float32" if cpu_mode else exp.dtype, "seed": exp.seed, "warmup": warmup,
-        "iters": exp.profile.iters, "timing": "wall" if cpu_mode else exp.timing,
+        # on CPU the smoke test's sample count bounds the interpreter's cost
+        "iters": exp.cpu.samples_per_block if (cpu_mode and exp.cpu is not None) else exp.profile.iters,
+        "timing": "wall" if cpu_mode else exp.timing,
         "l2_flush": exp.l2_flush and not cpu_mode,
         "stage_patterns": {name: list(p.baseline) for name, p in exp.stages.items()},
         "copy_bytes": COPY_BYTES_CPU if cpu_mode else COPY_BYTES_GPU,

@@ -405,6 +405,7 @@ class CpuProfile(Strict):
     warmup: int = Field(default=1, ge=0)
     blocks: int = Field(default=3, ge=3)
     training: list[TrainingRow] | None = None  # small rows under the same names as `training`
+    stage_iters: int = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
 
 
 class Experiment(Strict):

@@ -193,7 +193,8 @@ def run_block(job: dict) -> int:
                 continue
             try:
                 call = build(shape, mode)
-                call()  # re-warm after regenerating inputs (allocator, caches)
+                if torch.cuda.is_available():
+                    call()  # re-warm after regenerating inputs (allocator, caches)
                 for i in range(job["samples"]):
                     emit("sample", shape=key[0], mode=mode, i=i, ms=timer.time_ms(call))
                 peak = peak_bytes(call)

@@ -149,7 +149,9 @@ def test_inputs_factory_shape_problem():
     assert m.shape_problem({"B": 4, "T": 2048, "H": 16, "D": 128}) is None
     assert m.shape_problem({"B": 1, "T": 64, "H": 2, "K": 64, "V": 128}) is None
     assert "K=256" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "D": 256})
-    assert "V=32" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 32})
+    assert m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 32}) is None  # padded
+    assert m.shape_problem({"B": 1, "T": 63, "H": 2, "K": 60, "V": 100}) is None
+    assert "V=129" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 129})
     with pytest.raises(ValueError, match="K=256"):
         m.make_inputs({"B": 1, "T": 4, "H": 1, "D": 256}, "fwd", torch.float32, "cpu", 0)
     assert "kernels" not in (ROOT / "experiments/inputs/pkda.py").read_text().split('"""')[-1]

@@ -314,7 +314,8 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     m_j = (o_t < I0)[:, None] & m_k[None, :]
     b_pa = tl.load(p + p_tk, mask=m_j, other=0.).to(tl.float32)
     b_pg = tl.where(m_j, b_pa * tl.exp(tl.where(m_j, b_Gr[None, :] - b_Ga, 0.)), 0.)
-    b_e = tl.where(m_ik, tl.exp(b_G - b_Gr[None, :]), 0.)
+    # masked rows load G = 0: mask inside exp too, or it overflows (harmless but noisy)
+    b_e = tl.where(m_ik, tl.exp(tl.where(m_ik, b_G - b_Gr[None, :], 0.)), 0.)
     b_dq = tl.dot(b_Aq_row.to(DT), b_pg.to(DT), input_precision=PREC) * b_e
     b_dkr = tl.dot(b_Ak_row.to(DT), b_pg.to(DT), input_precision=PREC) * b_e
     # ---- column fragment, rows r > i_last: reference point G_{i_last}

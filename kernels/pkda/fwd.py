@@ -733,7 +733,8 @@ def _nvtx(name):
 
 def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_state=None,
              initial_A_state=None, output_final_state=False, cu_seqlens=None, x=1.5, eps=1e-6,
-             layout: ChunkLayout | None = None, save_for_backward=False):
+             layout: ChunkLayout | None = None, save_for_backward=False,
+             keep_intermediates=False):
     """The whole Triton forward, each stage inside NVTX range `pkda.fwd.<stage>`.
 
     q, k: RAW (not normalised) [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta
@@ -746,6 +747,9 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
         q_n, k_n   L2-normalised q, k (q.dtype)      q_rstd, k_rstd  [B,T,H] fp32
         layout     the ChunkLayout of this call
     (everything else is recomputed by the backward from the inputs: bwd.recompute).
+    With keep_intermediates (and save_for_backward) saved also holds every tensor of
+    bwd.RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta) so that the backward can skip
+    bwd.recompute (the public op's disable_recompute=True); the kernels run are the same.
     """
     B, T, H, K = q.shape
     if layout is None:
@@ -754,10 +758,11 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
         q_n, q_rstd = l2norm_fwd(q)
         k_n, k_rstd = l2norm_fwd(k)
     with _nvtx("pkda.fwd.atk"):
-        p, G, _, a_fin = fwd_atk(k_n, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state,
-                                 x, eps, output_final_state=output_final_state)
+        p, G, a, a_fin = fwd_atk(k_n, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state,
+                                 x, eps, output_final_state=output_final_state,
+                                 store_a=keep_intermediates)
     with _nvtx("pkda.fwd.intra"):
-        Aqk, _, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout)
+        Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout)
     with _nvtx("pkda.fwd.h"):
         h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state)
     with _nvtx("pkda.fwd.o"):
@@ -765,4 +770,6 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
     saved = None
     if save_for_backward:
         saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout)
+        if keep_intermediates:
+            saved.update(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
     return o, S_fin, a_fin, saved

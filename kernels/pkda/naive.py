@@ -68,6 +68,11 @@ def naive_recurrent_precond_kda(
     eps: float = 1e-6,
     log_atk_scale: torch.Tensor | float | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    transpose_state_layout: bool = False,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
 ):
     """Reference PKDA, same contract as `chunk_precond_kda`.
 
@@ -77,7 +82,26 @@ def naive_recurrent_precond_kda(
     Returns (o [B,T,H,V] in v.dtype, final_state [N,H,K,V] fp32 or None,
     final_A_state [N,H,K] fp32 or None). With `compute_dtype=torch.float64` the finals are
     returned in fp64 (the oracle's precision) rather than rounded to fp32.
+
+    Added modes (defaults leave the above unchanged):
+    transpose_state_layout: initial_state and final_state are [N,H,V,K] (S transposed).
+    use_gate_in_kernel: g is the raw gate input and the log decay used is, per head h and
+    channel d (dt_bias [H*K] or [H,K], optional, 0 when None; A_log [H]):
+        -exp(A_log[h]) * softplus(g + dt_bias[h,d])                    lower_bound None
+        lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h,d]))      otherwise
     """
+    if use_gate_in_kernel:
+        Hh, Kk = g.shape[-2:]
+        u = g.to(compute_dtype)
+        if dt_bias is not None:
+            u = u + dt_bias.to(compute_dtype).reshape(Hh, Kk)
+        decay_rate = torch.exp(A_log.to(compute_dtype).reshape(Hh, 1))
+        if lower_bound is None:
+            g = -decay_rate * torch.nn.functional.softplus(u)
+        else:
+            g = lower_bound * torch.sigmoid(decay_rate * u)
+    if transpose_state_layout and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2)
     B, T, H, K = q.shape
     V = v.shape[-1]
     cd = compute_dtype
@@ -128,4 +152,7 @@ def naive_recurrent_precond_kda(
     if not output_final_state:
         return o, None, None
     fin_dtype = torch.float64 if cd == torch.float64 else torch.float32
-    return o, torch.stack(S_fin).to(fin_dtype), torch.stack(a_fin).to(fin_dtype)
+    S_out = torch.stack(S_fin).to(fin_dtype)
+    if transpose_state_layout:
+        S_out = S_out.transpose(-1, -2)
+    return o, S_out, torch.stack(a_fin).to(fin_dtype)

@@ -1,20 +1,28 @@
 """Public PKDA op: `chunk_precond_kda`, same contract as fla-core 0.6.0's public op.
 
     chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_state=None,
-                      initial_A_state=None, output_final_state=False, cu_seqlens=None,
-                      x=1.5, eps=1e-6, log_atk_scale=None) -> (o, final_state, final_A_state)
+                      initial_A_state=None, output_final_state=False, use_gate_in_kernel=False,
+                      safe_gate=False, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None,
+                      chunk_indices=None, cp_context=None, transpose_state_layout=False, x=1.5,
+                      eps=1e-6, log_atk_scale=None, solve_tril_precision=None,
+                      disable_recompute=False, return_intermediate_states=False, *,
+                      A_log=None, dt_bias=None) -> (o, final_state, final_A_state)
 
 q, k are L2-normalised over K inside (stage fwd.l2norm / bwd.l2norm); gates are natural-log
 decays; scale defaults to K^-1/2 and log_atk_scale to a tensor of -0.2 per head. The finals
 are None unless output_final_state (no state tensor is then allocated or written).
-Differentiable w.r.t. q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state and
-initial_A_state through `PKDAFunction`, whose backward calls `kernels.pkda.bwd.pkda_bwd`.
-Every stage runs inside an NVTX range `pkda.fwd.<stage>` / `pkda.bwd.<stage>` opened inside
-the Function's forward / backward, i.e. on the thread that launches its kernels.
+Differentiable w.r.t. q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state,
+initial_A_state (and A_log, dt_bias with use_gate_in_kernel) through `PKDAFunction`, whose
+backward calls `kernels.pkda.bwd.pkda_bwd`; gradients also flow from final_state and
+final_A_state (dht, dat). Every stage runs inside an NVTX range `pkda.fwd.<stage>` /
+`pkda.bwd.<stage>` opened inside the Function's forward / backward, i.e. on the thread that
+launches its kernels. See `chunk_precond_kda` for what is done in PyTorch around the kernels
+(head-dim padding, state transposition, the in-kernel gate, the gate floor).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import nvtx
@@ -28,6 +36,18 @@ from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
 
 FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+# Head dims the kernels take; any K, V in [1, MAX_DIM] is zero-padded up to the next one.
+MAX_DIM = max(SUPPORTED_DIMS)
+# Gate floor: g and g_atk entries below -GATE_FLOOR are raised to -GATE_FLOOR before the
+# kernels (see chunk_precond_kda). exp(-24) = 3.8e-11 is ~1600x below fp32's half-ulp
+# (2^-24 = 6e-8), so the decayed history it keeps is invisible at fp32 precision, while the
+# chunk-local cumulative gates stay small enough not to cancel catastrophically.
+GATE_FLOOR = 24.0
+
+
+def kernel_dim(D):
+    """The head dim the kernels run at for a user head dim D <= MAX_DIM."""
+    return next(s for s in SUPPORTED_DIMS if s >= D)
 
 
 def _shape(name, t, want, dims):
@@ -36,9 +56,10 @@ def _shape(name, t, want, dims):
 
 
 def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
-             log_atk_scale):
+             log_atk_scale, transpose_state_layout=False):
     """Raises ValueError / TypeError naming the offending argument.
-    Returns cu_seqlens as a host list (None when dense): the call's only host sync."""
+    Returns cu_seqlens as a host list (None when dense): the call's only host sync.
+    With transpose_state_layout, initial_state is expected as [N,H,V,K]."""
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("g_atk", g_atk),
                     ("beta_atk", beta_atk), ("beta", beta)):
         if not torch.is_tensor(t):
@@ -61,10 +82,12 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} dtype {t.dtype} disagrees with q dtype {q.dtype}")
-    if K not in SUPPORTED_DIMS:
-        raise ValueError(f"K={K} is not supported (q/k head dim must be one of {SUPPORTED_DIMS})")
-    if V not in SUPPORTED_DIMS:
-        raise ValueError(f"V={V} is not supported (v head dim must be one of {SUPPORTED_DIMS})")
+    if not 1 <= K <= MAX_DIM:
+        raise ValueError(f"K={K} is not supported (q/k head dim must be in [1, {MAX_DIM}]; "
+                         f"the kernels hold a K x V state tile on chip and do not take 256)")
+    if not 1 <= V <= MAX_DIM:
+        raise ValueError(f"V={V} is not supported (v head dim must be in [1, {MAX_DIM}]; "
+                         f"the kernels hold a K x V state tile on chip and do not take 256)")
     for name, t in (("k", k), ("v", v), ("g", g), ("g_atk", g_atk), ("beta_atk", beta_atk),
                     ("beta", beta)):
         if t.device != q.device:
@@ -94,10 +117,11 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
 
     where = "len(cu_seqlens)-1" if cu_seqlens is not None else "B"
     if initial_state is not None:
+        sdims, sshape = ("[N,H,V,K]", (H, V, K)) if transpose_state_layout else ("[N,H,K,V]", (H, K, V))
         if not torch.is_tensor(initial_state) or initial_state.dim() != 4 \
-                or tuple(initial_state.shape[1:]) != (H, K, V):
-            raise ValueError(f"initial_state must have shape [N,H,K,V] = [{N},{H},{K},{V}], got "
-                             f"{tuple(getattr(initial_state, 'shape', ()))}")
+                or tuple(initial_state.shape[1:]) != sshape:
+            raise ValueError(f"initial_state must have shape {sdims} = [{N},{','.join(map(str, sshape))}], "
+                             f"got {tuple(getattr(initial_state, 'shape', ()))}")
         if initial_state.shape[0] != N:
             raise ValueError(f"initial_state holds {initial_state.shape[0]} states but there are "
                              f"{N} sequences ({where})")
@@ -122,31 +146,37 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
 class PKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state,
-                initial_A_state, scale, output_final_state, cu_seqlens, x, eps, host_cu):
+                initial_A_state, scale, output_final_state, cu_seqlens, x, eps, host_cu,
+                disable_recompute=False):
         B, T, H, K = q.shape
         layout = make_layout(B, T, cu_seqlens, q.device, host_cu=host_cu)
         c = log_atk_scale.to(torch.float32).reshape(H).contiguous()
         o, S_fin, a_fin, saved = pkda_fwd(
             q, k, v, g, g_atk, beta_atk, beta, scale, c, initial_state, initial_A_state,
-            output_final_state, cu_seqlens, x, eps, layout=layout, save_for_backward=True)
+            output_final_state, cu_seqlens, x, eps, layout=layout, save_for_backward=True,
+            keep_intermediates=disable_recompute)
+        from .bwd import RECOMPUTE_KEYS
+        kept = [saved[n] for n in RECOMPUTE_KEYS] if disable_recompute else []
         ctx.save_for_backward(saved["q_n"], saved["k_n"], saved["q_rstd"], saved["k_rstd"], v, g,
-                              g_atk, beta_atk, beta, c, initial_state, initial_A_state, cu_seqlens)
+                              g_atk, beta_atk, beta, c, initial_state, initial_A_state, cu_seqlens,
+                              *kept)
         ctx.meta = dict(scale=scale, x=x, eps=eps, lsc_dtype=log_atk_scale.dtype,
-                        lsc_shape=log_atk_scale.shape,
+                        lsc_shape=log_atk_scale.shape, kept=disable_recompute,
                         dtypes=[t.dtype for t in (q, k, v, g, g_atk, beta_atk, beta)])
         ctx.set_materialize_grads(False)
         return o, S_fin, a_fin
 
     @staticmethod
     def backward(ctx, do, dht, dat):
-        from .bwd import pkda_bwd
+        from .bwd import RECOMPUTE_KEYS, pkda_bwd
         (q_n, k_n, q_rstd, k_rstd, v, g, g_atk, beta_atk, beta, c, S0, a0,
-         cu_seqlens) = ctx.saved_tensors
+         cu_seqlens) = ctx.saved_tensors[:13]
         m = ctx.meta
+        saved = dict(zip(RECOMPUTE_KEYS, ctx.saved_tensors[13:])) if m["kept"] else None
         if do is None:
             do = torch.zeros_like(v)
         gr = pkda_bwd(q_n, k_n, v, g, g_atk, beta_atk, beta, c, m["scale"], m["x"], m["eps"],
-                      S0, a0, cu_seqlens, do, dht, dat)
+                      S0, a0, cu_seqlens, do, dht, dat, saved=saved)
         dts = m["dtypes"]
         with nvtx.annotate("pkda.bwd.l2norm"):
             dq = l2norm_bwd(q_n, q_rstd, gr["q"], out_dtype=dts[0])
@@ -157,23 +187,87 @@ class PKDAFunction(torch.autograd.Function):
         return (dq, dk, cast(gr["v"], dts[2]), cast(gr["g"], dts[3]), cast(gr["g_atk"], dts[4]),
                 cast(gr["beta_atk"], dts[5]), cast(gr["beta"], dts[6]), dc,
                 cast(gr["initial_state"], torch.float32), cast(gr["initial_A_state"], torch.float32),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
+
+
+def kda_gate(g, A_log, dt_bias=None, lower_bound=None):
+    """The public op's in-kernel gate (use_gate_in_kernel=True), in PyTorch and fp32:
+        lower_bound is None:  -exp(A_log_h) * softplus(g + dt_bias_{h,k})
+        otherwise:            lower_bound * sigmoid(exp(A_log_h) * (g + dt_bias_{h,k}))
+    g [B,T,H,K]; A_log [H] (any shape of H elements); dt_bias [H*K] or [H,K] or None.
+    Returns the log decay [B,T,H,K] fp32, differentiable w.r.t. g, A_log and dt_bias."""
+    H, K = g.shape[-2:]
+    s = g.float()
+    if dt_bias is not None:
+        s = s + dt_bias.float().reshape(H, K)
+    A = A_log.float().reshape(H, 1).exp()
+    if lower_bound is None:
+        return -A * F.softplus(s)
+    return lower_bound * torch.sigmoid(A * s)
 
 
 def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_state=None,
-                      initial_A_state=None, output_final_state=False, cu_seqlens=None, x=1.5,
-                      eps=1e-6, log_atk_scale=None):
+                      initial_A_state=None, output_final_state=False, use_gate_in_kernel=False,
+                      safe_gate=False, lower_bound=None, cu_seqlens=None, cu_seqlens_cpu=None,
+                      chunk_indices=None, cp_context=None, transpose_state_layout=False, x=1.5,
+                      eps=1e-6, log_atk_scale=None, solve_tril_precision=None,
+                      disable_recompute=False, return_intermediate_states=False, *, A_log=None,
+                      dt_bias=None):
     """Preconditioned KDA, chunked Triton implementation. See the module docstring.
 
-    q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta [B,T,H]; K, V in {64, 128};
-    initial_state [N,H,K,V] fp32; initial_A_state [N,H,K] fp32; cu_seqlens [N+1] integer
-    (B must be 1); log_atk_scale [H] tensor (or a float, or None for -0.2).
-    Returns (o [B,T,H,V] in v.dtype, final_state [N,H,K,V] fp32 | None,
+    q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta [B,T,H]; K, V any size in
+    [1, 128] (K != V allowed); initial_state fp32 [N,H,K,V] ([N,H,V,K] with
+    transpose_state_layout); initial_A_state [N,H,K] fp32; cu_seqlens [N+1] integer (B must
+    be 1); log_atk_scale [H] tensor (or a float, or None for -0.2).
+    Returns (o [B,T,H,V] in v.dtype, final_state fp32 | None (same layout as initial_state),
     final_A_state [N,H,K] fp32 | None).
+
+    Arguments as in fla-core 0.6.0:
+      use_gate_in_kernel  g is the raw gate input: the log decay is kda_gate(g, A_log, dt_bias,
+                          lower_bound) (A_log [H] required, dt_bias [H*K] optional; gradients
+                          reach both). Here it is computed in PyTorch (fp32) before the kernels,
+                          not fused into them.
+      lower_bound         only used by the in-kernel gate (its sigmoid form); with safe_gate and
+                          use_gate_in_kernel it must lie in [-5, 0), as the public op demands.
+      safe_gate           a promise that gates lie in [lower_bound, 0) which lets the public
+                          kernels take a faster path; these kernels bound every exponent for
+                          any gate, so it is validated as above and changes nothing else.
+      transpose_state_layout  initial and final states are [N,H,V,K] (transposed here; the
+                          kernels keep [K,V]).
+      disable_recompute   keep the forward's intermediates (a, p, G, Aqk, Tinv, W, U, h,
+                          Delta) for the backward instead of recomputing them: same kernels,
+                          same gradients, more memory.
+      cu_seqlens_cpu, chunk_indices, solve_tril_precision  accepted and unused (hints; the
+                          op derives its own chunk layout, and its triangular solve is fp32).
+      cp_context, return_intermediate_states=True  not supported (NotImplementedError).
+
+    Done in PyTorch around the kernels (autograd differentiates through it):
+      * K or V not in {64, 128}: q, k, g (and the K side of the states) are zero-padded to the
+        next of 64 / 128, v (and the V side) likewise, and the outputs sliced back. This is
+        exact: a zero channel of k adds nothing to |k|^2 (l2norm unchanged), keeps its ATK
+        moment a at 0 (a_0 padded with 0), so p = k*m is 0 there whatever m is; with S_0's padded
+        rows 0, those rows of S stay 0 (decay times 0 plus p*delta = 0) and contribute nothing
+        to S'^T k or S^T q. A zero column of v gives delta = 0 - S'^T k = 0 in that column, so
+        it stays 0 and o's padded columns are 0. Gradients w.r.t. the real entries are the
+        same for the same reason (every path through a padded channel is multiplied by a zero
+        of k, p, q or a); gradients of the padding are dropped by the slice.
+      * the gate floor: g and g_atk are clamped to >= -GATE_FLOOR (-24). The kernels work on
+        chunk-local cumulative sums of the gates; one -1000 entry would put every later
+        cumulative sum of its chunk near -1000, where fp32 keeps only ~1e-4 of the small
+        differences exp(G_r - G_j) needs (a 1e-3 relative error was measured). A decay
+        exp(-24) = 3.8e-11 instead of exp(-1000) changes results far below fp32 resolution;
+        the clamp's gradient is 0 below the floor, where the true one is < 4e-11 relative.
     """
+    if cp_context is not None:
+        raise NotImplementedError("cp_context (context parallelism) is not supported by this "
+                                  "chunk_precond_kda")
+    if return_intermediate_states:
+        raise NotImplementedError("return_intermediate_states=True is not supported by this "
+                                  "chunk_precond_kda")
     host_cu = validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state,
-                       cu_seqlens, log_atk_scale)
-    H, K = q.shape[2], q.shape[3]
+                       cu_seqlens, log_atk_scale, transpose_state_layout)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
     if scale is None:
         scale = K ** -0.5
     if log_atk_scale is None:
@@ -182,6 +276,51 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
         log_atk_scale = torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=q.device)
     if x <= 0:
         raise ValueError(f"x must be > 0 (the squash spans [1/x, x]), got {x}")
-    return PKDAFunction.apply(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, initial_state,
-                              initial_A_state, float(scale), bool(output_final_state), cu_seqlens,
-                              float(x), float(eps), host_cu)
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("lower_bound must be given when safe_gate=True and "
+                             "use_gate_in_kernel=True")
+        if not -5 <= lower_bound < 0:
+            raise ValueError(f"lower_bound must lie in the safe range [-5, 0), got {lower_bound}")
+    if use_gate_in_kernel:
+        if not torch.is_tensor(A_log) or A_log.numel() != H or not A_log.is_floating_point():
+            raise ValueError(f"use_gate_in_kernel=True needs A_log, a float tensor of H={H} "
+                             f"entries, got {getattr(A_log, 'shape', A_log)}")
+        if dt_bias is not None and (not torch.is_tensor(dt_bias) or dt_bias.numel() != H * K
+                                    or not dt_bias.is_floating_point()):
+            raise ValueError(f"dt_bias must be a float tensor of H*K={H * K} entries ([H*K] or "
+                             f"[H,K]), got {getattr(dt_bias, 'shape', dt_bias)}")
+        g = kda_gate(g, A_log, dt_bias, lower_bound)
+
+    g = g.clamp(min=-GATE_FLOOR)
+    g_atk = g_atk.clamp(min=-GATE_FLOOR)
+    S0 = initial_state
+    if S0 is not None and transpose_state_layout:
+        S0 = S0.transpose(-1, -2)
+    Kp, Vp = kernel_dim(K), kernel_dim(V)
+    if Kp != K:
+        q, k, g = (F.pad(t, (0, Kp - K)) for t in (q, k, g))
+        if initial_A_state is not None:
+            initial_A_state = F.pad(initial_A_state, (0, Kp - K))
+    if Vp != V:
+        v = F.pad(v, (0, Vp - V))
+    if S0 is not None:
+        S0 = F.pad(S0, (0, Vp - V, 0, Kp - K)) if (Kp, Vp) != (K, V) else S0
+        S0 = S0.contiguous()
+
+    o, S, a = PKDAFunction.apply(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, S0,
+                                 initial_A_state, float(scale), bool(output_final_state),
+                                 cu_seqlens, float(x), float(eps), host_cu,
+                                 bool(disable_recompute))
+    if Vp != V:
+        o = o[..., :V]
+    if S is not None:
+        if (Kp, Vp) != (K, V):
+            S = S[:, :, :K, :V]
+        if transpose_state_layout:
+            S = S.transpose(-1, -2)
+        if transpose_state_layout or (Kp, Vp) != (K, V):
+            S = S.contiguous()
+    if a is not None and Kp != K:
+        a = a[..., :K].contiguous()
+    return o, S, a

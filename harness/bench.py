@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from harness.records import append_jsonl, completed_blocks
+from harness.progress import Progress, as_progress
+from harness.records import Block, append_jsonl, completed_blocks, load_blocks
 from harness.revisions import Revisions, check_unmoved
 from harness.spec import SIDES, LoadedExperiment, Shape, TrainingRow
 
@@ -46,6 +47,7 @@ class BenchSettings:
     timing: str
     l2_flush: bool
     cpu_mode: bool
+    stage_iters: int  # profiled calls per row and block for stage times
     training: tuple[TrainingRow, ...] = ()  # the cpu profile's rows of the same names on a CPU run
 
     @classmethod
@@ -58,10 +60,12 @@ class BenchSettings:
             training = tuple(small.get(t.name, t).model_copy(update={"dtype": "float32"}) for t in training)
         if cpu_mode and exp.cpu is not None:
             c = exp.cpu
-            return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True, training)
+            return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True,
+                       stage_iters=c.stage_iters, training=training)
         dtype = "float32" if cpu_mode else exp.dtype
         return cls(list(exp.shapes), dtype, exp.blocks, exp.samples_per_block, exp.warmup,
-                   "wall" if cpu_mode else exp.timing, exp.l2_flush and not cpu_mode, cpu_mode, training)
+                   "wall" if cpu_mode else exp.timing, exp.l2_flush and not cpu_mode, cpu_mode,
+                   stage_iters=exp.stage_iters, training=training)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -90,12 +94,70 @@ def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: 
     return env
 
 
+class SamplesTail:
+    """Samples of one attempt as its worker appends them: reads samples.jsonl on from where the file
+    ended when the tail was made, whole lines only (a torn line is skipped, as records.read_jsonl does)."""
+
+    def __init__(self, path: Path, attempt: str):
+        self.path, self.attempt = path, attempt
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def poll(self) -> dict[tuple[str, str], int]:
+        """(shape, mode) -> samples so far, for the rows that got new samples since the last poll."""
+        if not self.path.exists():
+            return {}
+        with self.path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        end = data.rfind(b"\n")
+        if end < 0:
+            return {}
+        self.offset += end + 1
+        changed = {}
+        for line in data[:end + 1].splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("type") == "sample" and rec.get("attempt") == self.attempt:
+                key = (rec.get("shape"), rec.get("mode"))
+                self.counts[key] = changed[key] = self.counts.get(key, 0) + 1
+        return changed
+
+
+def _run_worker(argv: list[str], run_dir: Path, env: dict, log_path: Path, tail: SamplesTail, progress: Progress,
+                samples: int, poll_s: float = 0.25) -> int:
+    """The worker process, its output to `log_path`; its samples reported as they land."""
+    with log_path.open("w") as out:
+        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            while True:
+                try:
+                    proc.wait(timeout=poll_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                for (shape, mode), n in tail.poll().items():
+                    progress.row_progress(shape, mode, n, samples)
+                if proc.returncode is not None:
+                    return proc.returncode
+        except BaseException:  # Ctrl-C or an error here: never leave a worker measuring behind us
+            proc.kill()
+            proc.wait()
+            raise
+
+
 def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings: BenchSettings,
-               profile_root: Path, plan: list[str], log: Callable[[str], None] = print) -> None:
-    """Run every block of `plan` that has no complete record yet, in order."""
+               profile_root: Path, plan: list[str], log: Progress | Callable[[str], None] = print) -> None:
+    """Run every block of `plan` that has no complete record yet, in order. `log`: a Progress (a plain
+    callable gets quiet progress lines)."""
     exp = loaded.exp
+    progress = as_progress(log)
     samples_path = run_dir / "samples.jsonl"
-    done = {b.index for b in completed_blocks(samples_path)}
+    finished = completed_blocks(samples_path)
+    done = {b.index for b in finished}
+    progress.bench_plan(len(plan), finished)
+    rows = [(s.name, m, settings.samples_per_block) for s in settings.shapes for m in exp.modes]
     _, inputs_fn = exp.target.inputs.split(":")
     for index, side in enumerate(plan):
         if index in done:
@@ -111,23 +173,26 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
             "dtype": settings.dtype, "seed": exp.seed, "samples": settings.samples_per_block,
             "warmup": settings.warmup, "timing": settings.timing, "l2_flush": settings.l2_flush,
             "stage_patterns": {name: getattr(p, side) for name, p in exp.stages.items()},
-            "stage_iters": exp.stage_iters,
+            "stage_iters": settings.stage_iters,
             "training": [training_job_row(loaded, t) for t in settings.training],
         }
         job_path = run_dir / "jobs" / f"block-{index:03d}-{side}.json"
         job_path.parent.mkdir(parents=True, exist_ok=True)
         job_path.write_text(json.dumps(job, indent=1))
-        log(f"block {index + 1}/{len(plan)} {side} ({getattr(revisions, side).sha[:10] or getattr(revisions, side).ref})")
         log_path = run_dir / "logs" / f"block-{index:03d}-{side}-{attempt}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("w") as out:
-            proc = subprocess.run([sys.executable, "-m", "harness.worker", str(job_path)], cwd=run_dir,
-                                  env=side_env(loaded, side, profile_root, settings.cpu_mode),
-                                  stdout=out, stderr=subprocess.STDOUT)
+        tail = SamplesTail(samples_path, attempt)
+        rs = getattr(revisions, side)
+        progress.block_started(index, len(plan), side, (rs.sha or "")[:10] or rs.ref, rows)
+        rc = _run_worker([sys.executable, "-m", "harness.worker", str(job_path)], run_dir,
+                         side_env(loaded, side, profile_root, settings.cpu_mode), log_path, tail, progress,
+                         settings.samples_per_block)
         if index not in {b.index for b in completed_blocks(samples_path)}:
             # the worker died without closing its block (segfault, CUDA abort, OOM kill)
-            tail = log_path.read_text()[-2000:]
+            log_tail = log_path.read_text()[-2000:]
             append_jsonl(samples_path, {"type": "block_end", "block": index, "side": side, "attempt": attempt,
-                                        "status": "failed", "error": f"worker exited {proc.returncode}: {tail}",
+                                        "status": "failed", "error": f"worker exited {rc}: {log_tail}",
                                         "t": None, "gpu": None})
+        block = next((b for b in load_blocks(samples_path) if b.attempt == attempt), None)
+        progress.block_finished(block or Block(index=index, side=side, attempt=attempt, status="failed"))
     check_unmoved(revisions)

@@ -19,6 +19,7 @@ from typing import Callable
 
 from harness import revisions as rev
 from harness.bench import HARNESS_ROOT, BenchSettings, block_plan, run_blocks
+from harness.progress import Progress, as_progress
 from harness.spec import LoadedExperiment
 
 VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
@@ -105,10 +106,22 @@ def _slurm_env() -> dict | None:
     return {k.lower(): os.environ.get(k) for k in keys}
 
 
-def run_experiment(loaded: LoadedExperiment, opts: RunOptions, log: Callable[[str], None] = print) -> tuple[str, Path, dict]:
-    """Run (or resume) the protocol; returns (verdict, report dir, report dict)."""
+def run_experiment(loaded: LoadedExperiment, opts: RunOptions,
+                   log: Progress | Callable[[str], None] = print) -> tuple[str, Path, dict]:
+    """Run (or resume) the protocol; returns (verdict, report dir, report dict). `log`: a Progress
+    (harness/progress.py; the caller closes it), or a plain callable that gets quiet progress lines."""
+    progress = as_progress(log)
+    try:
+        return _run(loaded, opts, progress)
+    finally:
+        if progress is not log:
+            progress.close()
+
+
+def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str, Path, dict]:
     from harness.device import cuda_available
 
+    log.phase("resolve")
     exp = loaded.exp
     cpu_mode = opts.force_cpu or not cuda_available()
     run_id, run_dir, existed = pick_run_dir(loaded, opts)
@@ -143,6 +156,7 @@ def run_experiment(loaded: LoadedExperiment, opts: RunOptions, log: Callable[[st
     if terminal is None:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
     if terminal is None:
+        log.phase("bench")
         run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
         _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
 
@@ -157,6 +171,7 @@ def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
         return None
     from harness import attempts, fixtures, verify
 
+    log.phase("verify")
     state = attempts.experiment_state(opts.profile_root, loaded.exp)
     if state.get("state") == "TERMINAL_NO_GO":
         log(f"experiment is terminally NO-GO: {state.get('reason')}")
@@ -175,6 +190,7 @@ def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
         return None
     from harness import profile
 
+    log.phase("profile")
     path = run_dir / "profile.json"
     record = json.loads(path.read_text()) if path.exists() else \
         profile.profile_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
@@ -189,6 +205,7 @@ def _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
         return
     from harness import ncu
 
+    log.phase("ncu")
     ncu.ncu_run(loaded, revisions, run_dir, opts.profile_root, log=log)
 
 
@@ -196,6 +213,7 @@ def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict
     """Analyse, cap the verdict by the attempt budget, publish the report, log the attempt."""
     from harness import analyse, attempts, report
 
+    log.phase("report")
     aa = json.loads((run_dir / "run.json").read_text()).get("aa", False)
     data = analyse.build_report(loaded, run_dir, terminal=terminal)
     if not aa:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.cli import UsageError
+from harness.progress import make_progress
 from harness.revisions import RevisionError
 from harness.run import VERDICT_EXIT, RunError, RunOptions, run_experiment
 from harness.spec import load_experiment
@@ -24,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--note", default="", help="what this attempt changed (logged with the attempt)")
     p.add_argument("--reopen", metavar="REASON", help="allow a GO after the attempt budget is spent (logged)")
     p.add_argument("--aa", action="store_true", help="A/A run: baseline against itself, to measure the noise floor")
+    p.add_argument("--quiet", action="store_true",
+                   help="plain progress lines, no live display (the default when stdout is not a terminal; "
+                        "also HARNESS_QUIET=1): for CI and Slurm logs")
     p.set_defaults(func=run)
 
 
@@ -39,8 +43,11 @@ def options(args) -> RunOptions:
 
 def run(args) -> int:
     loaded = load_experiment(args.experiment)
+    progress = make_progress(quiet=getattr(args, "quiet", False))
     try:
-        verdict, _, _ = run_experiment(loaded, options(args))
+        verdict, _, _ = run_experiment(loaded, options(args), log=progress)
     except (RunError, RevisionError) as e:
         raise UsageError(str(e)) from e
+    finally:
+        progress.close()
     return VERDICT_EXIT[verdict]

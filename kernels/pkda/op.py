@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - nvtx is a declared dependency; keep th
     class nvtx:  # noqa: N801
         annotate = staticmethod(lambda name: contextlib.nullcontext())
 
+from .checks import check_states
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
 
@@ -115,31 +116,8 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
     else:
         N, cs = B, None
 
-    where = "len(cu_seqlens)-1" if cu_seqlens is not None else "B"
-    if initial_state is not None:
-        sdims, sshape = ("[N,H,V,K]", (H, V, K)) if transpose_state_layout else ("[N,H,K,V]", (H, K, V))
-        if not torch.is_tensor(initial_state) or initial_state.dim() != 4 \
-                or tuple(initial_state.shape[1:]) != sshape:
-            raise ValueError(f"initial_state must have shape {sdims} = [{N},{','.join(map(str, sshape))}], "
-                             f"got {tuple(getattr(initial_state, 'shape', ()))}")
-        if initial_state.shape[0] != N:
-            raise ValueError(f"initial_state holds {initial_state.shape[0]} states but there are "
-                             f"{N} sequences ({where})")
-        if initial_state.dtype != torch.float32:
-            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
-    if initial_A_state is not None:
-        if not torch.is_tensor(initial_A_state) or initial_A_state.dim() != 3 \
-                or tuple(initial_A_state.shape[1:]) != (H, K):
-            raise ValueError(f"initial_A_state must have shape [N,H,K] = [{N},{H},{K}], got "
-                             f"{tuple(getattr(initial_A_state, 'shape', ()))}")
-        if initial_A_state.shape[0] != N:
-            raise ValueError(f"initial_A_state holds {initial_A_state.shape[0]} states but there "
-                             f"are {N} sequences ({where})")
-        if initial_A_state.dtype != torch.float32:
-            raise TypeError(f"initial_A_state must be fp32, got {initial_A_state.dtype}")
-    if torch.is_tensor(log_atk_scale) and log_atk_scale.numel() != H:
-        raise ValueError(f"log_atk_scale must have H={H} entries, got shape "
-                         f"{tuple(log_atk_scale.shape)}")
+    check_states(initial_state, initial_A_state, log_atk_scale, N, H, K, V, varlen=cu_seqlens is not None,
+                 transpose_state_layout=transpose_state_layout)
     return cs
 
 

@@ -63,6 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import check_states
+
 L2NORM_EPS = 1e-6          # eps of the q/k L2 normalisation (the chunk op's)
 MAX_DIM = 256              # K and V: any size up to this (masked to the next power of two)
 GRID_X_MAX = 2 ** 31 - 1
@@ -299,35 +301,8 @@ def _validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state,
     else:
         N = B
 
-    where = "len(cu_seqlens)-1" if cu_seqlens is not None else "B"
-    if initial_state is not None:
-        if not torch.is_tensor(initial_state) or initial_state.dim() != 4 \
-                or tuple(initial_state.shape[1:]) != (H, K, V):
-            raise ValueError(f"initial_state must have shape [N,H,K,V] = [{N},{H},{K},{V}], got "
-                             f"{tuple(getattr(initial_state, 'shape', ()))}")
-        if initial_state.shape[0] != N:
-            raise ValueError(f"initial_state holds {initial_state.shape[0]} states but there are "
-                             f"{N} sequences ({where})")
-        if initial_state.dtype != torch.float32:
-            raise TypeError(f"initial_state must be fp32, got {initial_state.dtype}")
-        if initial_state.device != q.device:
-            raise ValueError(f"initial_state is on {initial_state.device} but q is on {q.device}")
-    if initial_A_state is not None:
-        if not torch.is_tensor(initial_A_state) or initial_A_state.dim() != 3 \
-                or tuple(initial_A_state.shape[1:]) != (H, K):
-            raise ValueError(f"initial_A_state must have shape [N,H,K] = [{N},{H},{K}], got "
-                             f"{tuple(getattr(initial_A_state, 'shape', ()))}")
-        if initial_A_state.shape[0] != N:
-            raise ValueError(f"initial_A_state holds {initial_A_state.shape[0]} states but there "
-                             f"are {N} sequences ({where})")
-        if initial_A_state.dtype != torch.float32:
-            raise TypeError(f"initial_A_state must be fp32, got {initial_A_state.dtype}")
-        if initial_A_state.device != q.device:
-            raise ValueError(f"initial_A_state is on {initial_A_state.device} but q is on "
-                             f"{q.device}")
-    if torch.is_tensor(log_atk_scale) and log_atk_scale.numel() != H:
-        raise ValueError(f"log_atk_scale must have H={H} entries, got shape "
-                         f"{tuple(log_atk_scale.shape)}")
+    check_states(initial_state, initial_A_state, log_atk_scale, N, H, K, V, varlen=cu_seqlens is not None,
+                 device=q.device)
     return N, host_checked
 
 

@@ -49,6 +49,7 @@ class BenchSettings:
     cpu_mode: bool
     stage_iters: int  # profiled calls per row and block for stage times
     training: tuple[TrainingRow, ...] = ()  # the cpu profile's rows of the same names on a CPU run
+    aa: bool = False  # A/A: both plan sides run the baseline's declaration (ref, op, env)
 
     @classmethod
     def for_machine(cls, loaded: LoadedExperiment, cpu_mode: bool) -> "BenchSettings":
@@ -163,11 +164,12 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         if index in done:
             continue
         check_unmoved(revisions)
+        declared = "baseline" if settings.aa else side  # whose ref, op and env this block runs
         attempt = uuid.uuid4().hex[:12]
         job = {
             "samples_path": str(samples_path.resolve()), "block": index, "side": side, "attempt": attempt,
-            "worktree": getattr(revisions, side).worktree, "op": getattr(exp, side).op or exp.target.op,
-            "package": getattr(exp, side).package.model_dump() if getattr(exp, side).is_package else None,
+            "worktree": getattr(revisions, side).worktree, "op": getattr(exp, declared).op or exp.target.op,
+            "package": getattr(exp, declared).package.model_dump() if getattr(exp, declared).is_package else None,
             "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn,
             "shapes": [s.model_dump(exclude_none=True) for s in settings.shapes], "modes": list(exp.modes),
             "dtype": settings.dtype, "seed": exp.seed, "samples": settings.samples_per_block,
@@ -185,7 +187,7 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         rs = getattr(revisions, side)
         progress.block_started(index, len(plan), side, (rs.sha or "")[:10] or rs.ref, rows)
         rc = _run_worker([sys.executable, "-m", "harness.worker", str(job_path)], run_dir,
-                         side_env(loaded, side, profile_root, settings.cpu_mode), log_path, tail, progress,
+                         side_env(loaded, declared, profile_root, settings.cpu_mode), log_path, tail, progress,
                          settings.samples_per_block)
         if index not in {b.index for b in completed_blocks(samples_path)}:
             # the worker died without closing its block (segfault, CUDA abort, OOM kill)

@@ -18,6 +18,7 @@ COMMANDS = [
     "verify",
     "attempts",
     "run",
+    "bench",
     "ncu",
     "profile",
     "submit",

@@ -110,6 +110,15 @@ def resolve(loaded: LoadedExperiment, profile_root: Path) -> Revisions:
     return Revisions(repo=str(loaded.target_repo), baseline=sides["baseline"], candidate=sides["candidate"])
 
 
+def ensure_worktrees(revisions: Revisions) -> None:
+    """Recreate the recorded worktrees at their recorded SHAs (a resume on a fresh clone or machine)."""
+    repo = None
+    for side in (revisions.baseline, revisions.candidate):
+        if side.kind == "git" and not (Path(side.worktree) / ".git").exists():
+            repo = repo or open_repo(Path(revisions.repo))
+            _ensure_worktree(repo, Path(side.worktree), side.sha)
+
+
 def check_unmoved(revisions: Revisions) -> None:
     """Stop rather than mix two candidates in one comparison."""
     cand = revisions.candidate

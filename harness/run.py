@@ -12,7 +12,7 @@ import os
 import shlex
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -39,6 +39,7 @@ class RunOptions:
     reports_root: Path = HARNESS_ROOT / "reports"
     force_cpu: bool = False
     aa: bool = False  # baseline against itself: the noise floor
+    bench_only: bool = False  # `harness bench`: the interleaved blocks alone (no oracle, profile or ncu)
 
 
 def _now() -> str:
@@ -135,8 +136,9 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
                            "(start a new run instead)")
         revisions = rev.Revisions.from_json(manifest["revisions"])
         rev.check_unmoved(revisions)
+        rev.ensure_worktrees(revisions)
         cpu_mode = manifest["cpu_mode"]
-        settings = BenchSettings.for_machine(loaded, cpu_mode)
+        settings = replace(BenchSettings.for_machine(loaded, cpu_mode), aa=manifest.get("aa", False))
         plan = [p["side"] for p in manifest["plan"]]
         manifest["commands"].append(shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
         log(f"resuming run {run_id} ({sum(1 for _ in (run_dir / 'samples.jsonl').open()) if (run_dir / 'samples.jsonl').exists() else 0} records so far)")
@@ -145,20 +147,21 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
         if opts.aa:
             revisions = rev.Revisions(repo=revisions.repo, baseline=revisions.baseline, candidate=rev.ResolvedSide(
                 **{**revisions.baseline.__dict__, "side": "candidate"}))
-        settings = BenchSettings.for_machine(loaded, cpu_mode)
+        settings = replace(BenchSettings.for_machine(loaded, cpu_mode), aa=opts.aa)
         plan = block_plan(settings.blocks_per_side, exp.order, exp.seed)
         manifest = _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts)
         log(f"run {run_id}: baseline {revisions.baseline.sha[:12]} vs candidate {revisions.candidate.sha[:12]}"
             f" ({revisions.candidate.ref}){' [CPU smoke test: Triton interpreter, fp32]' if cpu_mode else ''}")
     _write_json(manifest_path, manifest)
 
-    terminal = _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
-    if terminal is None:
+    terminal = None if opts.bench_only else _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
+    if terminal is None and not opts.bench_only:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
     if terminal is None:
         log.phase("bench")
         run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
-        _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+        if not opts.bench_only:
+            _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
 
     manifest["finished"] = _now()
     _write_json(manifest_path, manifest)
@@ -214,7 +217,8 @@ def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict
     from harness import analyse, attempts, report
 
     log.phase("report")
-    aa = json.loads((run_dir / "run.json").read_text()).get("aa", False)
+    # A/A runs and bench-only runs measure, but are no attempt at the candidate
+    aa = json.loads((run_dir / "run.json").read_text()).get("aa", False) or opts.bench_only
     data = analyse.build_report(loaded, run_dir, terminal=terminal)
     if not aa:
         # A STOPPED experiment still measures, but cannot publish GO without a logged --reopen.

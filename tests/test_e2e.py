@@ -122,3 +122,18 @@ def test_unresolvable_candidate_exits_2(temp_repo):
     res = run_exp(temp_repo, exp)
     assert res.returncode == 2
     assert "candidate.ref 'no-such-branch' does not resolve" in res.stderr
+
+
+def test_aa_and_bench_only_runs_measure_the_baseline_and_log_no_attempt(temp_repo):
+    temp_repo.branch("slow", work=12)
+    exp = temp_repo.experiment("aa", "slow", SPEEDUP_GATE)
+    res = run_exp(temp_repo, exp, "--aa")
+    assert res.returncode in (1, 3), res.stdout + res.stderr  # ~1x: never clears 1.25x
+    report, _ = only_report(temp_repo, "aa")
+    assert report["provenance"]["candidate"]["sha"] == temp_repo.baseline_sha  # A/A: the baseline twice
+    row = next(r for r in report["rows"] if r["shape"] == "small")
+    assert 0.6 < row["speedup"]["point"] < 1.6
+    res = harness("bench", exp, "--profile-root", temp_repo.root / "profile", "--reports-root",
+                  temp_repo.root / "reports", cwd=temp_repo.root)
+    assert res.returncode == 1, res.stdout + res.stderr  # the slow candidate, blocks only
+    assert not (temp_repo.root / "profile" / "aa" / "attempts.jsonl").exists()

@@ -33,7 +33,8 @@ def add_parser(sub) -> None:
 
 def options(args) -> RunOptions:
     opts = RunOptions(resume=args.resume, run_id=args.run_id, note=getattr(args, "note", ""),
-                      reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False))
+                      reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False),
+                      bench_only=getattr(args, "bench_only", False))
     if args.profile_root:
         opts.profile_root = args.profile_root.resolve()
     if args.reports_root:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call on the H200: run (or resume) an experiment from a git bundle of this repository,
+# then send back the report and, when the run did not finish, its records for the next call.
+#
+# Here, before the call:
+#   make h200-wheels                                   # .whl/ (ignored)
+#   mkdir -p .bundle && git bundle create .bundle/repo.bundle main   # the device copy has no .git
+#   # after an unfinished call: mkdir -p .carry && cp /work/.device/<n>/state.tgz.* .carry/
+# The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480",
+#   carry [".whl", ".bundle", ".carry"], timeout_s 600.
+# What comes back in $OUT: run.log, report.json + index.html when the run finished, and
+# state.tgz.aa, .ab, ... (records, verify/profile/ncu JSON, Triton caches with autotune timings;
+# no worktrees, no ncu reports) to put in .carry/ for `--resume` in the next call.
+set -u
+EXP=${1:?experiment name}
+BUDGET=${2:-480}        # seconds for `harness run` itself; the rest of the call packs results
+RUN_ID=${RUN_ID:-h200}
+HERE=$PWD
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HARNESS_QUIET=1
+rm -rf /tmp/repo && git clone -q "$HERE/.bundle/repo.bundle" /tmp/repo && cd /tmp/repo && git checkout -q main || exit 2
+git log --oneline -1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,clocks_event_reasons.active --format=csv,noheader
+RESUME=()
+if ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
+  cat "$HERE"/.carry/state.tgz.* | tar xzf - && RESUME=(--resume) && echo "restored $(du -sh profile | cut -f1) of records"
+fi
+timeout "$BUDGET" python3 -m harness run "experiments/$EXP.yaml" --run-id "$RUN_ID" "${RESUME[@]}" > "$OUT/run.log" 2>&1
+rc=$?
+echo "harness run rc=$rc"; tail -15 "$OUT/run.log"
+REPORT=reports/$EXP/$RUN_ID
+if [ -f "$REPORT/report.json" ] && [ "$rc" != 124 ]; then
+  cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
+else
+  timeout 60 python3 -m harness report "experiments/$EXP.yaml" --run "$RUN_ID" >/dev/null 2>&1 && \
+    cp "$REPORT/report.json" "$OUT/partial-report.json"
+fi
+# records for the next call: <= 15 MB a piece, at most 6 pieces come back with the files above
+tar czf - --exclude=worktrees --exclude='*.ncu-rep' profile | split -b 15m - "$OUT/state.tgz."
+ls -la "$OUT"

@@ -68,10 +68,11 @@ from __future__ import annotations
 import math
 import os
 
-import nvtx
 import torch
 import triton
 import triton.language as tl
+
+from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
 # accepts plain ints and hid this); host code uses the plain-int twins CHUNK / N_SUB.
@@ -835,20 +836,20 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
         schedule = daqk_schedule(q.device, q.dtype, K, V)
     produce, consume = _dAv_and_intra(schedule)
 
-    with nvtx.annotate("pkda.bwd.recompute"):
+    with stage_range("pkda.bwd.recompute"):
         rc = bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, S0, a0, lay, saved)
     ctx = dict(rc, q=q, k=k, beta=beta, do=do, scale=scale, lay=lay)
-    with nvtx.annotate("pkda.bwd.dAv"):
+    with stage_range("pkda.bwd.dAv"):
         dv_loc = produce(ctx)
-    with nvtx.annotate("pkda.bwd.dhu"):
+    with stage_range("pkda.bwd.dhu"):
         dE_all, dDelta, dS0 = bwd_dhu(q, rc["p"], rc["G"], rc["W"], do, dv_loc, dht, scale, lay)
-    with nvtx.annotate("pkda.bwd.wy_dqkg"):
+    with stage_range("pkda.bwd.wy_dqkg"):
         grads = bwd_wy_dqkg(q, k, v, rc["p"], rc["G"], beta, rc["Tinv"], rc["h"], dE_all,
                             rc["Delta"], dDelta, do, scale, lay)
-    with nvtx.annotate("pkda.bwd.intra"):
+    with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
         dg = bwd_dg(grads["dG"], lay)
-    with nvtx.annotate("pkda.bwd.atk"):
+    with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)
     return dict(q=grads["dq"], k=grads["dk"], v=grads["dv"], g=dg, g_atk=at["dg_atk"],

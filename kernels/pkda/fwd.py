@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .ranges import stage_range
 from .reference import CHUNK, SUB, ChunkLayout, make_layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -722,13 +723,6 @@ def fwd_o(q, G, h, Aqk, Delta, scale, layout: ChunkLayout, out_dtype=None):
 
 
 # ============================================================================ all stages
-def _nvtx(name):
-    try:
-        import nvtx
-        return nvtx.annotate(name)
-    except ImportError:  # pragma: no cover - nvtx is a declared dependency
-        import contextlib
-        return contextlib.nullcontext()
 
 
 def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_state=None,
@@ -754,18 +748,18 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
     B, T, H, K = q.shape
     if layout is None:
         layout = make_layout(B, T, cu_seqlens, q.device)
-    with _nvtx("pkda.fwd.l2norm"):
+    with stage_range("pkda.fwd.l2norm"):
         q_n, q_rstd = l2norm_fwd(q)
         k_n, k_rstd = l2norm_fwd(k)
-    with _nvtx("pkda.fwd.atk"):
+    with stage_range("pkda.fwd.atk"):
         p, G, a, a_fin = fwd_atk(k_n, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state,
                                  x, eps, output_final_state=output_final_state,
                                  store_a=keep_intermediates)
-    with _nvtx("pkda.fwd.intra"):
+    with stage_range("pkda.fwd.intra"):
         Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout)
-    with _nvtx("pkda.fwd.h"):
+    with stage_range("pkda.fwd.h"):
         h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state)
-    with _nvtx("pkda.fwd.o"):
+    with stage_range("pkda.fwd.o"):
         o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
     saved = None
     if save_for_backward:

@@ -24,15 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import nvtx
-except ImportError:  # pragma: no cover - nvtx is a declared dependency; keep the op usable
-    import contextlib
-
-    class nvtx:  # noqa: N801
-        annotate = staticmethod(lambda name: contextlib.nullcontext())
-
 from .checks import check_states
+from .ranges import stage_range
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
 
@@ -156,7 +149,7 @@ class PKDAFunction(torch.autograd.Function):
         gr = pkda_bwd(q_n, k_n, v, g, g_atk, beta_atk, beta, c, m["scale"], m["x"], m["eps"],
                       S0, a0, cu_seqlens, do, dht, dat, saved=saved)
         dts = m["dtypes"]
-        with nvtx.annotate("pkda.bwd.l2norm"):
+        with stage_range("pkda.bwd.l2norm"):
             dq = l2norm_bwd(q_n, q_rstd, gr["q"], out_dtype=dts[0])
             dk = l2norm_bwd(k_n, k_rstd, gr["k"], out_dtype=dts[1])
         cast = lambda t, dt: None if t is None else t.to(dt)

@@ -26,8 +26,8 @@ NO_GPU_VERDICT = ("CPU timings under Triton's interpreter are a smoke test of th
 # profile.json decides amdahl and ncu.json ncu (their `gate`); freeze.json's gate is the baseline
 # gate (a FAIL there is a terminal red baseline, not a gate of this table); training.json feeds
 # the training gate with blocks.
-PHASE_FILES = ("verify", "freeze", "profile", "ncu", "training")
-PHASE_GATE = {"profile": "amdahl", "ncu": "ncu"}
+PHASE_FILES = ("verify", "freeze", "profile", "ncu", "training", "agreement")
+PHASE_GATE = {"profile": "amdahl", "ncu": "ncu", "agreement": "agreement"}
 
 
 class ReportError(Exception):

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal, Sequence
 
 from harness import stats
-from harness.spec import (AmdahlGate, CorrectnessGate, Experiment, FrozenPathsGate, GeomeanGate, NcuGate,
+from harness.spec import (AgreementGate, AmdahlGate, CorrectnessGate, Experiment, FrozenPathsGate, GeomeanGate, NcuGate,
                           NonRegressionGate, PeakAllocGate, Shape, SpeedupGate, TrainingGate)
 
 Status = Literal["PASS", "FAIL", "INCONCLUSIVE"]
@@ -23,7 +23,7 @@ Blocks = list[list[float]]
 RowKey = tuple[str, str]  # (shape, mode)
 CHUNK = 64  # tokens per chunk for NT and channels per tile for NK in byte expressions
 EXPR_NAMES = ("B", "T", "H", "K", "V", "tokens", "NK", "NT")
-PHASE_KINDS = ("correctness", "frozen_paths", "amdahl", "ncu")
+PHASE_KINDS = ("correctness", "frozen_paths", "amdahl", "ncu", "agreement")
 
 
 @dataclass
@@ -353,7 +353,7 @@ def _peak_alloc(gate: PeakAllocGate, ev: Evidence, exp: Experiment | None) -> Ga
 
 def _phase(gate, ev: Evidence) -> GateResult:
     pv = ev.phases.get(gate.kind)
-    rows = [gate.row] if isinstance(gate, (AmdahlGate, NcuGate)) else []
+    rows = [gate.row] if isinstance(gate, (AmdahlGate, NcuGate)) else list(getattr(gate, "rows", []) or [])
     if pv is None:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", f"no {gate.kind} record: missing evidence", {}, rows)
     numbers = dict(pv.numbers)
@@ -466,7 +466,7 @@ def evaluate_gate(gate, evidence: Evidence, seed: int = 0, exp: Experiment | Non
         return _non_regression(gate, evidence, seed, exp)
     if isinstance(gate, PeakAllocGate):
         return _peak_alloc(gate, evidence, exp)
-    if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate)):
+    if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate, AgreementGate)):
         return _phase(gate, evidence)
     if isinstance(gate, TrainingGate):
         return _training(gate, evidence, seed, exp)

@@ -157,6 +157,7 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
     terminal = None if opts.bench_only else _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
     if terminal is None and not opts.bench_only:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+        _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
     if terminal is None:
         log.phase("bench")
         run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
@@ -201,6 +202,18 @@ def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
     if gate.get("status") == "FAIL" and not cpu_mode:
         return f"Amdahl pre-gate failed: {gate.get('reason')}"
     return None
+
+
+def _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
+    """Both sides on the same inputs (an agreement gate): a disagreement fails its gate, not the run."""
+    from harness.spec import AgreementGate
+
+    if not any(isinstance(g, AgreementGate) for g in loaded.exp.gates) or (run_dir / "agreement.json").exists():
+        return
+    from harness import agreement
+
+    log.phase("agreement")
+    agreement.agreement_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
 
 
 def _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:

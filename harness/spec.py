@@ -277,6 +277,17 @@ class NcuGate(_Gate):
     expect: list[NcuExpectation] = Field(min_length=1)
 
 
+class AgreementGate(_Gate):
+    """Both sides' outputs and gradients on the same inputs agree elementwise within
+    atol + rtol*|baseline| (e.g. this repository's op against the public one)."""
+
+    kind: Literal["agreement"]
+    rows: list[str] = Field(min_length=1)
+    modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
+    rtol: float = Field(gt=0)
+    atol: float = Field(ge=0)
+
+
 class TrainingGate(_Gate):
     """Rows of `training`: each neutral within `neutral_margin` (time ratio upper bound <= 1 + m),
     at least one with speedup lower bound >= `min_best_speedup`, and every row's first-step losses
@@ -343,7 +354,7 @@ class TrainingRow(Strict):
 Gate = Annotated[
     Union[
         SpeedupGate, GeomeanGate, NonRegressionGate, PeakAllocGate, CorrectnessGate,
-        FrozenPathsGate, AmdahlGate, NcuGate, TrainingGate,
+        FrozenPathsGate, AmdahlGate, NcuGate, TrainingGate, AgreementGate,
     ],
     Field(discriminator="kind"),
 ]

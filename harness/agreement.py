@@ -1,0 +1,141 @@
+"""Agreement phase: both sides on the same inputs, their outputs and gradients compared elementwise.
+
+For an experiment whose sides are two implementations of one contract (this repository's op
+against the installed public one), the frozen-fixture oracle needs a git baseline; agreement
+needs none: each side runs in a fresh process (`python -m harness.agreement JOB`, the harness
+imported first, then the side's op from its worktree or as the installed package) on inputs the
+harness generates from the experiment's seed, writes what it computed, and the parent compares
+every tensor with the baseline's: |cand - base| <= atol + rtol * |base| for every element. Writes
+run_dir/agreement.json with a `gate` for the agreement gate(s).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+from harness.records import append_jsonl  # noqa: F401  (pins the harness package before any worktree)
+from harness.spec import AgreementGate, LoadedExperiment
+
+
+def _worker(job: dict) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from harness.worker import _DTYPES, Call, _load_inputs, _load_op
+
+    out: dict[str, torch.Tensor] = {}
+    errors: dict[str, str] = {}
+    make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
+    op = _load_op(job["worktree"], job["op"], job.get("package"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for shape, mode in job["rows"]:
+        key = f"{shape['name']}.{mode}"
+        try:
+            call = Call(op, make_inputs(shape, mode, _DTYPES[job["dtype"]], device, job["seed"]), mode, job["seed"])
+            for i, t in enumerate(call()):
+                out[f"{key}.{i}"] = t.detach().float().cpu().contiguous()
+        except Exception as e:  # recorded: the parent makes the gate INCONCLUSIVE for this row
+            errors[key] = f"{type(e).__name__}: {e}"
+    save_file(out, job["out_path"])
+    Path(job["out_path"] + ".errors.json").write_text(json.dumps(errors))
+    return 0
+
+
+def _compare(base, cand, rtol: float, atol: float) -> dict:
+    import torch
+
+    if base.shape != cand.shape:
+        return {"status": "FAIL", "problem": f"shape {tuple(cand.shape)} != baseline {tuple(base.shape)}"}
+    diff = (cand - base).abs()
+    bound = atol + rtol * base.abs()
+    nonfinite = int((~torch.isfinite(cand)).sum())
+    ratio = torch.where(bound > 0, diff / bound, torch.where(diff > 0, torch.tensor(float("inf")), torch.tensor(0.0)))
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    return {"status": "PASS" if worst <= 1 and nonfinite == 0 else "FAIL", "worst_ratio": worst,
+            "max_abs_err": float(diff.max()) if diff.numel() else 0.0,
+            "n_bad": int((diff > bound).sum()), "n_nonfinite": nonfinite}
+
+
+def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_root: Path, cpu_mode: bool,
+                  log: Callable[[str], None] = print) -> dict:
+    from safetensors.torch import load_file
+
+    from harness.bench import BenchSettings, side_env
+
+    exp = loaded.exp
+    gates = [g for g in exp.gates if isinstance(g, AgreementGate)]
+    settings = BenchSettings.for_machine(loaded, cpu_mode)
+    shapes = {s.name: s for s in settings.shapes}
+    work = run_dir / "agreement-work"
+    work.mkdir(parents=True, exist_ok=True)
+    wanted = sorted({(r, m) for g in gates for r in g.rows for m in g.modes if m in exp.modes})
+    missing = sorted({r for r, _ in wanted if r not in shapes})
+    rows = [(shapes[r].model_dump(exclude_none=True), m) for r, m in wanted if r in shapes]
+    outputs, errors = {}, {}
+    for side in ("baseline", "candidate"):
+        declared = getattr(exp, side)
+        job = {"rows": rows, "dtype": settings.dtype, "seed": exp.seed, "worktree": getattr(revisions, side).worktree,
+               "op": declared.op or exp.target.op, "package": declared.package.model_dump() if declared.is_package else None,
+               "inputs_file": str(loaded.inputs_file), "inputs_fn": exp.target.inputs.split(":")[1],
+               "out_path": str((work / f"{side}.safetensors").resolve())}
+        job_path = work / f"{side}.json"
+        job_path.write_text(json.dumps(job, indent=1))
+        log(f"agreement: {side} on {len(rows)} rows ({settings.dtype})")
+        proc = subprocess.run([sys.executable, "-m", "harness.agreement", str(job_path)], cwd=work,
+                              env=side_env(loaded, side, profile_root, cpu_mode), capture_output=True, text=True)
+        (work / f"{side}.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0 or not Path(job["out_path"]).exists():
+            errors[side] = {"*": f"worker exited {proc.returncode}: {proc.stderr[-1500:]}"}
+            outputs[side] = {}
+            continue
+        outputs[side] = load_file(job["out_path"])
+        errors[side] = json.loads(Path(job["out_path"] + ".errors.json").read_text())
+
+    results, gate_numbers, statuses = [], {}, []
+    for g in gates:
+        checks = []
+        for r, m in wanted:
+            if r not in g.rows or m not in g.modes:
+                continue
+            key = f"{r}.{m}"
+            problem = errors.get("baseline", {}).get(key) or errors.get("candidate", {}).get(key) \
+                or errors.get("baseline", {}).get("*") or errors.get("candidate", {}).get("*")
+            if r in missing:
+                problem = f"row {r} is not measured on this machine"
+            if problem:
+                checks.append({"row": r, "mode": m, "status": None, "problem": problem})
+                continue
+            names = sorted(k for k in outputs["baseline"] if k.startswith(key + "."))
+            cand_names = sorted(k for k in outputs["candidate"] if k.startswith(key + "."))
+            if names != cand_names:
+                checks.append({"row": r, "mode": m, "status": "FAIL",
+                               "problem": f"baseline returned {len(names)} tensors, candidate {len(cand_names)}"})
+                continue
+            for n in names:
+                c = _compare(outputs["baseline"][n], outputs["candidate"][n], g.rtol, g.atol)
+                checks.append({"row": r, "mode": m, "tensor": n.rsplit(".", 1)[1], **c})
+        results += [dict(c, gate=g.name) for c in checks]
+        st = [c["status"] for c in checks]
+        status = "FAIL" if "FAIL" in st else (None if None in st or not st else "PASS")
+        statuses.append(status)
+        worst = max((c.get("worst_ratio", 0) for c in checks if c.get("worst_ratio") is not None), default=None)
+        gate_numbers[g.name] = {"status": status, "rtol": g.rtol, "atol": g.atol, "worst_ratio": worst,
+                                "checks": len(checks)}
+    status = "FAIL" if "FAIL" in statuses else (None if None in statuses or not statuses else "PASS")
+    bad = [c for c in results if c["status"] != "PASS"]
+    reason = ("every output and gradient agrees within atol + rtol*|baseline|" if status == "PASS" else
+              "; ".join(f"{c['row']}/{c['mode']} {c.get('tensor', '')}: "
+                        f"{c.get('problem') or 'worst ratio %.3g, %d elements out' % (c['worst_ratio'], c['n_bad'])}"
+                        for c in bad[:6]))
+    record = {"kind": "agreement", "dtype": settings.dtype, "cpu_mode": cpu_mode, "checks": results,
+              "gate": {"status": status, "reason": reason, "numbers": gate_numbers}}
+    (run_dir / "agreement.json").write_text(json.dumps(record, indent=2))
+    log(f"agreement: {status or 'UNDECIDED'}: {reason[:200]}")
+    return record
+
+
+if __name__ == "__main__":
+    raise SystemExit(_worker(json.loads(Path(sys.argv[1]).read_text())))

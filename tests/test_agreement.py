@@ -1,0 +1,38 @@
+"""Agreement gate: both sides on the same inputs, every output and gradient within tolerance."""
+from __future__ import annotations
+
+import json
+
+from test_e2e import run_exp
+
+AGREE = """\
+- {kind: agreement, name: same-function, rows: [small], modes: [fwd, fwdbwd], rtol: 1.0e-5, atol: 1.0e-6}
+"""
+
+
+def agreement_record(repo, name) -> dict:
+    [path] = (repo.root / "profile" / name / "runs").glob("*/agreement.json")
+    return json.loads(path.read_text())
+
+
+def test_same_function_agrees_and_a_different_one_fails_naming_the_tensor(temp_repo):
+    temp_repo.branch("same", work=4, message="candidate: same rounds, new commit")
+    temp_repo.branch("other", work=3)
+    exp = temp_repo.experiment("agree", "same", AGREE, extra="modes: [fwd, fwdbwd]\n")
+    exp.write_text(exp.read_text().replace("modes: [fwd]\n", "", 1))
+    res = run_exp(temp_repo, exp)
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    rec = agreement_record(temp_repo, "agree")
+    assert rec["gate"]["status"] == "PASS"
+    # fwd: the output; fwdbwd: the output and both gradients
+    assert sorted((c["mode"], c["tensor"]) for c in rec["checks"]) == [("fwd", "0"), ("fwdbwd", "0"), ("fwdbwd", "1"), ("fwdbwd", "2")]
+
+    exp2 = temp_repo.experiment("disagree", "other", AGREE, extra="modes: [fwd, fwdbwd]\n")
+    exp2.write_text(exp2.read_text().replace("modes: [fwd]\n", "", 1))
+    res = run_exp(temp_repo, exp2)
+    assert res.returncode == 1, res.stdout + res.stderr
+    rec = agreement_record(temp_repo, "disagree")
+    assert rec["gate"]["status"] == "FAIL" and "small/fwd 0: worst ratio" in rec["gate"]["reason"]
+    [report] = (temp_repo.root / "reports" / "disagree").glob("*/report.json")
+    gate = next(g for g in json.loads(report.read_text())["gates"] if g["name"] == "same-function")
+    assert gate["status"] == "FAIL"

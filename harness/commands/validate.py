@@ -13,6 +13,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     loaded = load_experiment(args.experiment)
     exp = loaded.exp
+    def side(rev) -> str:
+        return f"{rev.package.name}=={rev.package.version} (installed)" if rev.is_package else rev.ref
+
     print(f"{loaded.path}: ok: experiment {exp.name!r}: {len(exp.shapes)} shapes x {len(exp.modes)} modes, "
-          f"{exp.blocks} blocks a side, {len(exp.gates)} gates, baseline {exp.baseline.ref}, candidate {exp.candidate.ref}")
+          f"{exp.blocks} blocks a side, {len(exp.gates)} gates, baseline {side(exp.baseline)}, "
+          f"candidate {side(exp.candidate)}")
     return 0

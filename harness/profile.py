@@ -88,15 +88,18 @@ def _finite(x: float | None) -> float | None:
 # --- what to measure ---------------------------------------------------------------------------
 
 def profile_shapes(loaded: LoadedExperiment, cpu_mode: bool) -> list[Shape]:
-    """The shapes of `profile.rows` and of every Amdahl gate's row: on CPU the `cpu:` profile's shape of the same name when there is
-    one, else the declared shape."""
+    """The shapes of `profile.rows` and of every Amdahl gate's row. On CPU with a `cpu:` profile,
+    only the rows it has a stand-in for (a GPU-sized row under the interpreter would take hours);
+    without one, the declared shapes."""
     exp = loaded.exp
     if exp.profile is None:
         raise ProfileError(f"experiment {exp.name!r} has no `profile:` section")
-    cpu_shapes = {s.name: s for s in exp.cpu.shapes} if (cpu_mode and exp.cpu is not None) else {}
     names = list(exp.profile.rows)
     names += [g.row for g in amdahl_gates(loaded) if g.row not in names]  # a gated row is always profiled
-    return [cpu_shapes.get(name) or exp.shape(name) for name in names]
+    if cpu_mode and exp.cpu is not None:
+        cpu_shapes = {s.name: s for s in exp.cpu.shapes}
+        return [cpu_shapes[name] for name in names if name in cpu_shapes]
+    return [exp.shape(name) for name in names]
 
 
 def profile_modes(loaded: LoadedExperiment) -> list[str]:

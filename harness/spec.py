@@ -540,7 +540,7 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
     if exp.baseline.is_package:
         for section in ("fixtures", "profile"):
             if getattr(exp, section) is not None:
-                out.append((section, f"needs a git baseline (`baseline.ref`): an installed package has no "
+                out.append((section, "needs a git baseline (`baseline.ref`): an installed package has no "
                                      "worktree to freeze or profile"))
     gate_names = [g.name for g in exp.gates]
     if len(set(gate_names)) != len(gate_names):

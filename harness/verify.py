@@ -23,7 +23,6 @@ Records: VerifyRecord per side; verify.json in a run dir holds both sides and
 """
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from dataclasses import asdict, dataclass, field

@@ -4,6 +4,41 @@ from __future__ import annotations
 import torch
 
 
+FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_inputs(q, k, v, g, g_atk, beta_atk, beta, max_dim: int, why: str = "") -> tuple[int, int, int, int, int]:
+    """The token tensors' types, shapes, dtypes and devices; returns (B, T, H, K, V)."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("g_atk", g_atk), ("beta_atk", beta_atk), ("beta", beta)):
+        if not torch.is_tensor(t):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D [B,T,H,K], got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4:
+        raise ValueError(f"v must be 4-D [B,T,H,V], got shape {tuple(v.shape)}")
+    V = v.shape[-1]
+    for name, t, want, dims in (("k", k, (B, T, H, K), "[B,T,H,K]"), ("v", v, (B, T, H, V), "[B,T,H,V]"),
+                                ("g", g, (B, T, H, K), "[B,T,H,K]"), ("g_atk", g_atk, (B, T, H), "[B,T,H]"),
+                                ("beta_atk", beta_atk, (B, T, H), "[B,T,H]"), ("beta", beta, (B, T, H), "[B,T,H]")):
+        if tuple(t.shape) != tuple(want):
+            raise ValueError(f"{name} must have shape {dims} = {tuple(want)}, got {tuple(t.shape)}")
+    if q.dtype not in FLOAT_INPUTS:
+        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} disagrees with q dtype {q.dtype}")
+    for dim, value, who in (("K", K, "q/k"), ("V", V, "v")):
+        if not 1 <= value <= max_dim:
+            raise ValueError(f"{dim}={value} is not supported ({who} head dim must be in [1, {max_dim}]{why})")
+    for name, t in (("k", k), ("v", v), ("g", g), ("g_atk", g_atk), ("beta_atk", beta_atk), ("beta", beta)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    return B, T, H, K, V
+
+
 def _state(name: str, t, N: int, tail: tuple[int, ...], dims: str, where: str, device) -> None:
     if not torch.is_tensor(t) or t.dim() != len(tail) + 1 or tuple(t.shape[1:]) != tail:
         raise ValueError(f"{name} must have shape {dims} = [{N},{','.join(map(str, tail))}], "

@@ -24,12 +24,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_states
+from .checks import check_inputs, check_states
 from .ranges import stage_range
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
 
-FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 # Head dims the kernels take; any K, V in [1, MAX_DIM] is zero-padded up to the next one.
 MAX_DIM = max(SUPPORTED_DIMS)
 # Gate floor: g and g_atk entries below -GATE_FLOOR are raised to -GATE_FLOOR before the
@@ -44,48 +43,13 @@ def kernel_dim(D):
     return next(s for s in SUPPORTED_DIMS if s >= D)
 
 
-def _shape(name, t, want, dims):
-    if tuple(t.shape) != tuple(want):
-        raise ValueError(f"{name} must have shape {dims} = {tuple(want)}, got {tuple(t.shape)}")
-
-
 def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
              log_atk_scale, transpose_state_layout=False):
     """Raises ValueError / TypeError naming the offending argument.
     Returns cu_seqlens as a host list (None when dense): the call's only host sync.
     With transpose_state_layout, initial_state is expected as [N,H,V,K]."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("g_atk", g_atk),
-                    ("beta_atk", beta_atk), ("beta", beta)):
-        if not torch.is_tensor(t):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [B,T,H,K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4:
-        raise ValueError(f"v must be 4-D [B,T,H,V], got shape {tuple(v.shape)}")
-    V = v.shape[-1]
-    _shape("k", k, (B, T, H, K), "[B,T,H,K]")
-    _shape("v", v, (B, T, H, V), "[B,T,H,V]")
-    _shape("g", g, (B, T, H, K), "[B,T,H,K]")
-    for name, t in (("g_atk", g_atk), ("beta_atk", beta_atk), ("beta", beta)):
-        _shape(name, t, (B, T, H), "[B,T,H]")
-    if q.dtype not in FLOAT_INPUTS:
-        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} disagrees with q dtype {q.dtype}")
-    if not 1 <= K <= MAX_DIM:
-        raise ValueError(f"K={K} is not supported (q/k head dim must be in [1, {MAX_DIM}]; "
-                         f"the kernels hold a K x V state tile on chip and do not take 256)")
-    if not 1 <= V <= MAX_DIM:
-        raise ValueError(f"V={V} is not supported (v head dim must be in [1, {MAX_DIM}]; "
-                         f"the kernels hold a K x V state tile on chip and do not take 256)")
-    for name, t in (("k", k), ("v", v), ("g", g), ("g_atk", g_atk), ("beta_atk", beta_atk),
-                    ("beta", beta)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    B, T, H, K, V = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM,
+                                 "; the kernels hold a K x V state tile on chip and do not take 256")
 
     if cu_seqlens is not None:
         if not torch.is_tensor(cu_seqlens):

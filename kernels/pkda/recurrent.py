@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_states
+from .checks import check_inputs, check_states
 
 L2NORM_EPS = 1e-6          # eps of the q/k L2 normalisation (the chunk op's)
 MAX_DIM = 256              # K and V: any size up to this (masked to the next power of two)
@@ -79,7 +79,6 @@ _ERR_NAMES = ((CU_ERR_NONZERO_START, "first entry is not 0"),
               (CU_ERR_PAST_T, "entry past T (the token capacity)"))
 _GRAD_NAMES = ("q", "k", "v", "g", "g_atk", "beta_atk", "beta", "initial_state",
                "initial_A_state", "log_atk_scale")
-_FLOAT_INPUTS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def block_v(V: int) -> int:
@@ -239,40 +238,7 @@ def _reject_grad(tensors):
 def _validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
               log_atk_scale):
     """Metadata checks (no device sync). Returns (N, host_checked)."""
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("g_atk", g_atk),
-                    ("beta_atk", beta_atk), ("beta", beta)):
-        if not torch.is_tensor(t):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-    if q.dim() != 4:
-        raise ValueError(f"q must be 4-D [B,T,H,K], got shape {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if v.dim() != 4:
-        raise ValueError(f"v must be 4-D [B,T,H,V], got shape {tuple(v.shape)}")
-    V = v.shape[-1]
-    for name, t, want, dims in (("k", k, (B, T, H, K), "[B,T,H,K]"),
-                                ("v", v, (B, T, H, V), "[B,T,H,V]"),
-                                ("g", g, (B, T, H, K), "[B,T,H,K]"),
-                                ("g_atk", g_atk, (B, T, H), "[B,T,H]"),
-                                ("beta_atk", beta_atk, (B, T, H), "[B,T,H]"),
-                                ("beta", beta, (B, T, H), "[B,T,H]")):
-        if tuple(t.shape) != tuple(want):
-            raise ValueError(f"{name} must have shape {dims} = {tuple(want)}, got "
-                             f"{tuple(t.shape)}")
-    if q.dtype not in _FLOAT_INPUTS:
-        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} dtype {t.dtype} disagrees with q dtype {q.dtype}")
-    if not 1 <= K <= MAX_DIM:
-        raise ValueError(f"K={K} is not supported (q/k head dim must be in [1, {MAX_DIM}])")
-    if not 1 <= V <= MAX_DIM:
-        raise ValueError(f"V={V} is not supported (v head dim must be in [1, {MAX_DIM}])")
-    for name, t in (("k", k), ("v", v), ("g", g), ("g_atk", g_atk), ("beta_atk", beta_atk),
-                    ("beta", beta)):
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    B, T, H, K, V = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM)
 
     host_checked = False
     if cu_seqlens is not None:

@@ -8,7 +8,8 @@
 # kernels.pkda:chunk_precond_kda at B=1,T=256,H=2,K=V=64 bf16, both passes, filtered to a few small
 # backward kernels (-k, -c) so each report stays well under 2 MB. Writes to $OUT (flat):
 #   pkda-small-full.ncu-rep  pkda-small-source.ncu-rep   the fixtures to commit under fixtures/ncu/
-#   *.raw.csv  (ncu --import --csv --page raw: every metric name the report holds), *.log, env.txt
+#   ncu-capture-extras.tgz: *.raw.csv (ncu --import --csv --page raw: every metric name the report
+#   holds), *.parse.txt, *.log, env.txt (the device tool returns at most 8 files)
 # Knobs (env): PY, NCU, OP, KREGEX, COUNT, T_WARM, T_PASS.
 set -x
 set -u
@@ -64,4 +65,7 @@ for p in full source; do
   timeout 60 "$NCU" --import "$f" --csv --page raw --print-units base > "$OUT/pkda-small-$p.raw.csv" 2>&1
   timeout 60 "$PY" -m harness ncu --parse "$f" > "$OUT/pkda-small-$p.parse.txt" 2>&1 || true
 done
+# the device tool returns at most 8 files: keep the two reports, pack everything else into one
+(cd "$OUT" && tar czf ncu-capture-extras.tgz --exclude='*.ncu-rep' --exclude=ncu-capture-extras.tgz . && \
+  find . -maxdepth 1 -type f ! -name '*.ncu-rep' ! -name ncu-capture-extras.tgz -delete)
 ls -la "$OUT"

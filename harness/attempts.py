@@ -116,6 +116,9 @@ def attempt_state(profile_root, exp) -> dict:
     `exp` is the Experiment (its name and max_attempts are used)."""
     state = compute_state(read_log(profile_root, exp.name), exp.max_attempts)
     term = _terminal(profile_root, exp.name)
+    red_sha = ((term or {}).get("terminal") or {}).get("baseline_sha") or ""
+    if term is not None and exp.baseline.ref and red_sha and not red_sha.startswith(exp.baseline.ref):
+        term = None  # the red baseline was another commit: a new baseline gets its own baseline gate
     if term is not None:
         state.update(state=TERMINAL_NO_GO, reason=term.get("reason"), terminal=term.get("terminal"))
     state["experiment"] = exp.name

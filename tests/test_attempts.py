@@ -79,3 +79,20 @@ def test_cli_prints_table(tmp_path, capsys):
     assert main(["attempts", str(spec / "toy.yaml"), "--profile-root", str(prof), "--reopen", "new idea"]) == 0
     out = capsys.readouterr().out
     assert "REOPEN" in out and "state: OPEN" in out
+
+
+def test_terminal_no_go_belongs_to_its_baseline_commit(tmp_path):
+    from harness import attempts
+    from harness.spec import Experiment
+
+    def exp(ref):
+        return Experiment.model_validate({
+            "name": "t", "target": {"op": "a:b", "inputs": "i.py:f"}, "baseline": {"ref": ref},
+            "candidate": {"ref": "main"}, "modes": ["fwd"],
+            "shapes": [{"name": "s", "B": 1, "T": 8, "H": 1, "K": 8, "V": 8}],
+            "gates": [{"kind": "non_regression", "name": "n", "margin": 0.02}]})
+
+    red = "a" * 40
+    attempts.set_terminal(tmp_path, "t", "red baseline", [], red)
+    assert attempts.attempt_state(tmp_path, exp(red[:12]))["state"] == attempts.TERMINAL_NO_GO
+    assert attempts.attempt_state(tmp_path, exp("b" * 40))["state"] != attempts.TERMINAL_NO_GO

@@ -179,6 +179,11 @@ def test_html_escapes_and_is_self_contained(built):
     assert BRANCH not in html and "feat/x&lt;script&gt;window.__pwned=1&lt;" in html
     assert "<img src=x" not in html and "&lt;img src=x onerror" in html
     assert "&lt;partials&gt;" in html
+    # a CPU run's banner itself says it is a smoke test, not only the notice below it
+    banner = html[html.index('id="verdict"'):html.index("</section>", html.index('id="verdict"'))]
+    assert "CPU smoke test" in banner
+    data_gpu = dict(data, no_gpu_verdict=None)
+    assert 'id="cpu-smoke"' not in report.render_html(data_gpu)
     # no external resources: every src/href is a fragment, a relative path or absent
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
     assert not re.search(r"@import|url\(\s*['\"]?https?:", html, re.I)

@@ -54,7 +54,7 @@ def test_slower_candidate_is_no_go(temp_repo):
 def test_faster_candidate_is_go(temp_repo):
     temp_repo.branch("fast", work=2)  # half the work
     # more blocks and samples than the other cases: a 2x effect must clear 1.25x even on a busy CPU
-    exp = temp_repo.experiment("fast-cand", "fast", SPEEDUP_GATE, blocks=4, samples=8)
+    exp = temp_repo.experiment("fast-cand", "fast", SPEEDUP_GATE, blocks=5, samples=10)
     res = run_exp(temp_repo, exp)
     assert res.returncode == 0, res.stdout + res.stderr
     report, _ = only_report(temp_repo, "fast-cand")

@@ -249,6 +249,10 @@ def _geomean(gate: GeomeanGate, ev: Evidence, seed: int) -> GateResult:
     return GateResult(gate.name, gate.kind, status, reason, numbers, names)
 
 
+def _known(x) -> bool:
+    return x is not None and not (isinstance(x, float) and math.isnan(x))
+
+
 def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Experiment | None) -> GateResult:
     if gate.rows == "all":
         shapes = [s.name for s in exp.shapes] if exp is not None else sorted({r for r, _ in ev.rows})
@@ -273,26 +277,36 @@ def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Exper
             numbers["rows"][name] = {"status": "INCONCLUSIVE", "reason": why}
             continue
         iv = stats.time_ratio(row.base_blocks, row.cand_blocks, seed=seed)
-        st, why = _no_pass_with_failures(_ratio_status(iv, limit), f"{name}: time ratio {_fmt(iv.point)} "
-                                         f"[{_fmt(iv.lo)}, {_fmt(iv.hi)}] vs limit {limit:.4f}", row.failures, name)
+        st = _ratio_status(iv, limit)
+        # "non-regressing within the margin outside noise": a regression FAILs only beyond both the
+        # margin and the noise (the A/A floor, else the baseline's own block-to-block spread)
+        row_noise = ev.aa_noise if _known(ev.aa_noise) else stats.block_spread(row.base_blocks)
+        noise_note = ""
+        if st == "FAIL" and _known(row_noise) and iv.lo is not None and iv.lo <= 1 + row_noise:
+            st = "INCONCLUSIVE"
+            noise_note = f" (within noise {row_noise:.4f})"
+        st, why = _no_pass_with_failures(st, f"{name}: time ratio {_fmt(iv.point)} "
+                                         f"[{_fmt(iv.lo)}, {_fmt(iv.hi)}] vs limit {limit:.4f}{noise_note}",
+                                         row.failures, name)
         if st != "PASS" or row.failures:
             notes.append(f"{why} -> {st}")
         if iv.hi is not None and (worst is None or iv.hi > worst[0]):
             worst = (iv.hi, name)
         statuses.append(st)
-        numbers["rows"][name] = {"status": st, **_iv_numbers(iv)}
+        numbers["rows"][name] = {"status": st, "noise": row_noise, **_iv_numbers(iv)}
     if not keys:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", "no rows to check", numbers, names)
     status = _combine(statuses)
     if status == "PASS":
         reason = f"every row's time-ratio upper bound <= {limit:.4f} (worst {worst[1]}: {worst[0]:.4f})"
     elif status == "FAIL":
-        reason = "a row's time-ratio lower bound > " + f"{limit:.4f}"
+        reason = "a row's time-ratio lower bound > " + f"{limit:.4f}" + " and beyond its noise"
     else:
         reason = "not every row is resolved within the margin"
     noise = ev.aa_noise
     if noise is None or (isinstance(noise, float) and math.isnan(noise)):
-        reason += "; no A/A noise floor is known (the margin is judged from the intervals alone)"
+        reason += ("; no A/A noise floor is known (a regression must also exceed the baseline's own "
+                   "block-to-block spread to FAIL)")
     elif noise > gate.margin:
         reason += f"; the A/A noise floor {noise:.4f} is wider than the margin {gate.margin}"
         if status == "PASS":

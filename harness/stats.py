@@ -265,6 +265,17 @@ def aa_noise_floor(a_blocks: Blocks, b_blocks: Blocks, confidence: float = 0.95,
     return float("nan") if hw is None else float(hw)
 
 
+def block_spread(blocks: Blocks) -> float:
+    """Half the range of the per-block medians over the pooled median: how far apart fresh processes
+    of the same code land (a within-run stand-in for the A/A noise floor). NaN with < 2 blocks."""
+    cleaned = [b for b in _clean_blocks(blocks) if b.size]
+    if len(cleaned) < 2:
+        return float("nan")
+    medians = np.array([np.median(b) for b in cleaned])
+    pooled = _pooled_median(cleaned)
+    return float((medians.max() - medians.min()) / (2 * pooled)) if pooled else float("nan")
+
+
 def mann_whitney_p(a: Sequence[float], b: Sequence[float]) -> float:
     """Two-sided Mann-Whitney U p-value over all samples of two sides. A secondary signal only:
     it treats samples as independent, which samples inside one block are not. NaN if a side is empty."""

@@ -382,3 +382,23 @@ def test_evidence_from_samples_jsonl(tmp_path):
     # the same run with the A/A noise floor wider than the margin is not GO
     ev.aa_noise = 0.03
     assert verdict(evaluate_gates(exp, ev)) == "INCONCLUSIVE"
+
+
+def test_non_regression_fails_only_outside_the_baselines_own_noise():
+    from harness.gates import Evidence, RowEvidence
+
+    gate = {"name": "nr", "kind": "non_regression", "rows": ["dense"], "modes": ["fwd"], "margin": 0.02}
+
+    def ev(base_medians, slowdown):
+        base = [[m * f for f in (0.999, 1.0, 1.001)] for m in base_medians]
+        cand = [[x * slowdown for x in b] for b in base]
+        return Evidence(rows={("dense", "fwd"): RowEvidence(base, cand)}, stages={}, phases={}, training={},
+                        aa_noise=None, failures=[])
+
+    # a 4% regression with blocks that agree to 0.5%: outside noise -> FAIL
+    r = one(gate, ev([10.0, 10.05, 9.95], 1.04), modes=["fwd"])
+    assert r.status == "FAIL" and "beyond its noise" in r.reason
+    # the same 4% when the baseline's own blocks spread by +-6%: within noise -> INCONCLUSIVE, never FAIL
+    r = one(gate, ev([10.0, 10.6, 9.4], 1.04), modes=["fwd"])
+    assert r.status == "INCONCLUSIVE" and "within noise" in r.reason
+    assert abs(r.numbers["rows"]["dense/fwd"]["noise"] - 0.06) < 0.005

@@ -39,6 +39,30 @@ def check_inputs(q, k, v, g, g_atk, beta_atk, beta, max_dim: int, why: str = "")
     return B, T, H, K, V
 
 
+def check_cu_seqlens_meta(cu_seqlens, B: int) -> None:
+    """What can be checked without reading the offsets: a 1-D integer tensor, B == 1, 2+ entries."""
+    if not torch.is_tensor(cu_seqlens):
+        raise TypeError("cu_seqlens must be a 1-D integer torch.Tensor")
+    if B != 1:
+        raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
+            or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
+                         f"of shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must hold at least 2 entries [0, ..., T]")
+
+
+def check_cu_seqlens_values(cs: list[int], T: int) -> None:
+    """The offsets themselves (host copy): start at 0, never decrease, end at or before T."""
+    if cs[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cs[0]}")
+    if any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if cs[-1] > T:
+        raise ValueError(f"cu_seqlens ends at {cs[-1]}, past T={T}")
+
+
 def _state(name: str, t, N: int, tail: tuple[int, ...], dims: str, where: str, device) -> None:
     if not torch.is_tensor(t) or t.dim() != len(tail) + 1 or tuple(t.shape[1:]) != tail:
         raise ValueError(f"{name} must have shape {dims} = [{N},{','.join(map(str, tail))}], "

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_inputs, check_states
+from .checks import check_cu_seqlens_meta, check_cu_seqlens_values, check_inputs, check_states
 from .ranges import stage_range
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
@@ -52,23 +52,9 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
                                  "; the kernels hold a K x V state tile on chip and do not take 256")
 
     if cu_seqlens is not None:
-        if not torch.is_tensor(cu_seqlens):
-            raise TypeError("cu_seqlens must be a 1-D integer torch.Tensor")
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
-                             f"of shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least 2 entries [0, ..., T]")
+        check_cu_seqlens_meta(cu_seqlens, B)
         cs = cu_seqlens.tolist()
-        if cs[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {cs[0]}")
-        if any(b < a for a, b in zip(cs, cs[1:])):
-            raise ValueError("cu_seqlens must be non-decreasing")
-        if cs[-1] > T:
-            raise ValueError(f"cu_seqlens ends at {cs[-1]}, past T={T}")
+        check_cu_seqlens_values(cs, T)
         N = len(cs) - 1
     else:
         N, cs = B, None

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_inputs, check_states
+from .checks import check_cu_seqlens_meta, check_cu_seqlens_values, check_inputs, check_states
 
 L2NORM_EPS = 1e-6          # eps of the q/k L2 normalisation (the chunk op's)
 MAX_DIM = 256              # K and V: any size up to this (masked to the next power of two)
@@ -242,26 +242,11 @@ def _validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state,
 
     host_checked = False
     if cu_seqlens is not None:
-        if not torch.is_tensor(cu_seqlens):
-            raise TypeError("cu_seqlens must be a 1-D integer torch.Tensor")
-        if B != 1:
-            raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex() \
-                or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dtype} "
-                             f"of shape {tuple(cu_seqlens.shape)}")
-        if cu_seqlens.numel() < 2:
-            raise ValueError("cu_seqlens must hold at least 2 entries [0, ..., T]")
+        check_cu_seqlens_meta(cu_seqlens, B)
         if cu_seqlens.device != q.device and cu_seqlens.device.type != "cpu":
             raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
         if _host_readable(cu_seqlens):
-            cs = cu_seqlens.tolist()
-            if cs[0] != 0:
-                raise ValueError(f"cu_seqlens must start at 0, got {cs[0]}")
-            if any(b < a for a, b in zip(cs, cs[1:])):
-                raise ValueError("cu_seqlens must be non-decreasing")
-            if cs[-1] > T:
-                raise ValueError(f"cu_seqlens ends at {cs[-1]}, past T={T}")
+            check_cu_seqlens_values(cu_seqlens.tolist(), T)
             host_checked = True
         N = cu_seqlens.numel() - 1
     else:

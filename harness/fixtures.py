@@ -14,7 +14,7 @@
    tolerances, SHA-256 of every fixture file, SHA-256 at BENCH_BASE of every frozen path) are
    committed under fixtures/<exp>/ on top of the baseline SHA, with plumbing (a temporary index,
    hash-object, write-tree, commit-tree, update-ref: the user's checkout and index are never
-   touched) as branch bench-base/<exp>. Author, committer and dates are fixed (the baseline's
+   touched) as branch bench-base/<exp> (bench-base/<exp>-cpu for a CPU freeze). Author, committer and dates are fixed (the baseline's
    commit date), so the same content always gives the same commit. A later freeze with the same
    baseline reuses the branch when the content is identical and otherwise refuses to move it.
 
@@ -63,8 +63,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def branch_name(exp_name: str) -> str:
-    return f"bench-base/{exp_name}"
+def device_kind(device: str | None) -> str:
+    return "cuda" if str(device or "").startswith("cuda") else "cpu"
+
+
+def branch_name(exp_name: str, device: str | None) -> str:
+    """bench-base/<exp> for the GPU oracle; bench-base/<exp>-cpu for the CPU smoke test's, whose
+    reference outputs differ in the last bits (and lacks the CUDA-only low-precision cases): the two
+    oracles never meet, so a CPU smoke run cannot block the real freeze in the same repository."""
+    return f"bench-base/{exp_name}" if device_kind(device) == "cuda" else f"bench-base/{exp_name}-cpu"
 
 
 def fixture_prefix(exp_name: str) -> str:
@@ -97,6 +104,7 @@ class FreezeRecord:
     created: str = ""
     rechecked: bool = True  # False when an earlier PASS record was reused without re-running
     inputs: dict = field(default_factory=dict)  # {file, sha256, fn} of the harness's inputs factory
+    skipped_low_precision: list[str] = field(default_factory=list)  # declared dtypes this device cannot run
     artifacts: str | None = None  # dir with the worker logs and outputs of the baseline runs
 
     @property
@@ -235,14 +243,44 @@ def run_worker(job: dict, env: dict, work_dir: Path, timeout: float | None = Non
     return result
 
 
-def cases_for(loaded: LoadedExperiment) -> list[dict]:
-    """The declared fixture cases, each with its input seed and its cotangent seed."""
+LOW_PRECISION_CUDA_ONLY = ("float16", "bfloat16")
+
+
+def cases_for(loaded: LoadedExperiment, device: str | None = None) -> list[dict]:
+    """The declared fixture cases, each with its input seed and its cotangent seed; with a device,
+    also each case's low-precision variants that can run there (same seeds, inputs made in the
+    variant's dtype, compared by relative L2 error). Without a device: the base cases only."""
     exp = loaded.exp
     out = []
     for i, name in enumerate(exp.fixtures.cases):
         out.append({"name": name, "shape": exp.shape(name).model_dump(exclude_none=True),
                     "seed": exp.seed + i, "cotangent_seed": exp.seed + 1_000_003 + i})
-    return out
+    if device is None:
+        return out
+    variants = []
+    for lp in exp.fixtures.low_precision:
+        if lp.dtype in LOW_PRECISION_CUDA_ONLY and not str(device).startswith("cuda"):
+            continue
+        variants += [{**c, "name": f"{c['name']}.{lp.dtype}", "input_dtype": lp.dtype, "rel_l2": lp.rel_l2}
+                     for c in out]
+    return out + variants
+
+
+def skipped_low_precision(loaded: LoadedExperiment, device: str) -> list[str]:
+    """Declared low-precision dtypes that cannot run on this device (said in the record, never silent)."""
+    fx = loaded.exp.fixtures
+    if fx is None or str(device).startswith("cuda"):
+        return []
+    return [lp.dtype for lp in fx.low_precision if lp.dtype in LOW_PRECISION_CUDA_ONLY]
+
+
+def is_variant(case: dict) -> bool:
+    return bool(case.get("input_dtype"))
+
+
+def criteria_by_file(cases: list[dict]) -> dict[str, float]:
+    """Fixture/op-output file stem -> rel_l2 for low-precision cases (the rest compare elementwise)."""
+    return {c["name"]: float(c["rel_l2"]) for c in cases if is_variant(c)}
 
 
 def case_failures(result: dict, label: str) -> list[str]:
@@ -257,12 +295,21 @@ def case_failures(result: dict, label: str) -> list[str]:
 
 # --- reproducibility -------------------------------------------------------------------------------
 
-def _compare_dirs(a: Path, b: Path, rtol: float, atol: float, what: str) -> tuple[list[dict], list[str]]:
-    """Tensor by tensor, files of two runs: bitwise, else within tolerance, else a failure."""
+def _compare_dirs(a: Path, b: Path, rtol: float, atol: float, what: str,
+                  rel_l2_of: dict[str, float] | None = None) -> tuple[list[dict], list[str]]:
+    """Tensor by tensor, files of two runs: bitwise, else within tolerance (a low-precision case's
+    file: its rel_l2 bound), else a failure."""
     import torch
     from safetensors.torch import load_file
 
-    from harness.oracle_worker import compare
+    from harness.oracle_worker import compare, compare_rel_l2
+
+    def case_of(fname: str) -> str:
+        stem = fname[: -len(".safetensors")]
+        for mode in (".fwdbwd", ".fwd"):
+            if stem.endswith(mode) and stem[: -len(mode)] in (rel_l2_of or {}):
+                return stem[: -len(mode)]
+        return stem
 
     rows, failures = [], []
     names = sorted({p.name for p in a.glob("*.safetensors")} | {p.name for p in b.glob("*.safetensors")})
@@ -282,7 +329,8 @@ def _compare_dirs(a: Path, b: Path, rtol: float, atol: float, what: str) -> tupl
                 and torch.equal(torch.isnan(x), torch.isnan(y))))
             row = {"file": fname, "tensor": key, "bitwise": bitwise, "status": "PASS"}
             if not bitwise:
-                c = compare(key, x, y, rtol, atol)
+                bound = (rel_l2_of or {}).get(case_of(fname))
+                c = compare(key, x, y, rtol, atol) if bound is None else compare_rel_l2(key, x, y, bound)
                 row.update(status=c["status"], max_abs_err=c["max_abs_err"], worst_ratio=c["worst_ratio"])
                 if c["status"] != "PASS":
                     failures.append(f"{what} {fname}:{key} differs between two runs beyond tolerance ({c['problem']})")
@@ -315,7 +363,10 @@ def build_manifest(loaded: LoadedExperiment, baseline_sha: str, cases: list[dict
         "format": MANIFEST_FORMAT, "experiment": exp.name, "baseline_sha": baseline_sha,
         "reference": fx.reference, "modes": list(exp.modes), "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol,
         "seed": exp.seed, "cases": case_rows, "files": files, "frozen_paths": frozen,
-        "comparison": "per element |op - ref| <= atol + rtol*|ref| (float64), NaN/inf must match the reference",
+        "low_precision": [lp.model_dump() for lp in fx.low_precision],
+        "comparison": "per element |op - ref| <= atol + rtol*|ref| (float64), NaN/inf must match the reference; "
+                      "a low-precision case (input_dtype): per tensor ||op - ref||_2 / ||ref||_2 <= its rel_l2, "
+                      "the reference computed in dtype from the same rounded inputs",
         "cotangent": "out_i cotangent ~ randn(cotangent_seed) in the output's dtype; grads of sum(out_i * cot_i)",
     }
 
@@ -345,10 +396,10 @@ def _diff_manifests(old: dict, new: dict) -> list[str]:
 
 
 def commit_bench_base(repo: Path, exp_name: str, baseline_sha: str, fixture_dir: Path, manifest: dict,
-                      log: Callable[[str], None] = print) -> tuple[str, bool]:
+                      log: Callable[[str], None] = print, device: str = "cuda") -> tuple[str, bool]:
     """Create (or reuse) bench-base/<exp>: baseline + fixtures/<exp>/. Returns (commit SHA, reused)."""
     prefix = fixture_prefix(exp_name)
-    branch = branch_name(exp_name)
+    branch = branch_name(exp_name, device)
     existing = ref_sha(repo, f"refs/heads/{branch}")
     if existing is not None:
         parent = git(repo, "rev-parse", f"{existing}^")
@@ -411,13 +462,15 @@ def contract_of(loaded: LoadedExperiment) -> dict:
     exp = loaded.exp
     fx = exp.fixtures
     return {"reference": fx.reference, "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol, "seed": exp.seed,
-            "modes": list(exp.modes), "cases": [[c["name"], c["shape"]] for c in cases_for(loaded)]}
+            "modes": list(exp.modes), "cases": [[c["name"], c["shape"]] for c in cases_for(loaded)],
+            "low_precision": [lp.model_dump() for lp in fx.low_precision]}
 
 
 def contract_in_manifest(manifest: dict) -> dict:
     return {"reference": manifest.get("reference"), "dtype": manifest.get("dtype"), "rtol": manifest.get("rtol"),
             "atol": manifest.get("atol"), "seed": manifest.get("seed"), "modes": manifest.get("modes"),
-            "cases": [[c["name"], c["shape"]] for c in manifest.get("cases", [])]}
+            "cases": [[c["name"], c["shape"]] for c in manifest.get("cases", []) if not is_variant(c)],
+            "low_precision": manifest.get("low_precision", [])}
 
 
 def contract_changes(loaded: LoadedExperiment, manifest: dict) -> list[str]:
@@ -433,12 +486,14 @@ def _default_device() -> str:
     return "cuda" if cuda_available() else "cpu"
 
 
-def _reusable(loaded, revisions, profile_root, log) -> FreezeRecord | None:
+def _reusable(loaded, revisions, profile_root, device, log) -> FreezeRecord | None:
     rec = load_freeze(profile_root, loaded.exp.name)
     if rec is None or rec.status != "PASS" or rec.baseline_sha != revisions.baseline.sha or not rec.bench_base_sha:
         return None
+    if device_kind(rec.device) != device_kind(device):
+        return None
     repo = Path(revisions.repo)
-    if ref_sha(repo, f"refs/heads/{branch_name(loaded.exp.name)}") != rec.bench_base_sha:
+    if ref_sha(repo, f"refs/heads/{branch_name(loaded.exp.name, rec.device)}") != rec.bench_base_sha:
         return None
     try:
         manifest, digest = read_manifest_at(repo, rec.bench_base_sha, loaded.exp.name)
@@ -476,8 +531,9 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
             and prior.baseline_sha == base.sha and prior.terminal):
         log(f"freeze: baseline {base.sha[:12]} is already a terminal NO-GO: {prior.reason}")
         return prior
+    device = device or _default_device()
     if not recheck:
-        rec = _reusable(loaded, revisions, profile_root, log)
+        rec = _reusable(loaded, revisions, profile_root, device, log)
         if rec is not None:
             if run_dir is not None:
                 _write_json(Path(run_dir) / FREEZE_FILE, rec.to_json())
@@ -495,9 +551,12 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
                               "(the fixtures are hashed in the manifest already)")
         frozen[p] = h
 
-    device = device or _default_device()
     fx = exp.fixtures
-    cases = cases_for(loaded)
+    cases = cases_for(loaded, device)
+    skipped = skipped_low_precision(loaded, device)
+    if skipped:
+        log(f"freeze: low-precision fixtures {skipped} are not run on {device} (CUDA only); "
+            "a BENCH_BASE frozen here has no such cases")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + os.urandom(2).hex()
     art = profile_root / exp.name / "freeze" / stamp
     env = worker_env(loaded, "baseline", profile_root, device)
@@ -517,7 +576,8 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
     repro_fails: list[str] = []
     if not any(r.get("error") for r in results):
         for what, sub in (("reference fixture", "fixtures"), ("baseline op output", "op")):
-            rows, fails = _compare_dirs(art / "run1" / sub, art / "run2" / sub, fx.rtol, fx.atol, what)
+            rows, fails = _compare_dirs(art / "run1" / sub, art / "run2" / sub, fx.rtol, fx.atol, what,
+                                        criteria_by_file(cases))
             repro_rows += [{**r, "what": what} for r in rows]
             repro_fails += fails
     failures += repro_fails
@@ -535,7 +595,7 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
     record = FreezeRecord(experiment=exp.name, status="PASS", reason="", baseline_sha=base.sha,
                           baseline_worktree=base.worktree, target_repo=str(repo), runs=results,
                           reproducibility=reproducibility, failures=failures, device=device, created=_now(),
-                          inputs=inputs, artifacts=str(art))
+                          inputs=inputs, artifacts=str(art), skipped_low_precision=skipped)
 
     if failures:
         head = "; ".join(failures[:3]) + (f"; ... ({len(failures)} failures)" if len(failures) > 3 else "")
@@ -552,9 +612,9 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
 
     fixture_dir = art / "run1" / "fixtures"
     manifest = build_manifest(loaded, base.sha, cases, fixture_dir, frozen)
-    sha, reused = commit_bench_base(repo, exp.name, base.sha, fixture_dir, manifest, log=log)
+    sha, reused = commit_bench_base(repo, exp.name, base.sha, fixture_dir, manifest, log=log, device=device)
     record.bench_base_sha, record.bench_base_reused = sha, reused
-    record.bench_base_branch = branch_name(exp.name)
+    record.bench_base_branch = branch_name(exp.name, device)
     record.manifest_path = f"{fixture_prefix(exp.name)}/manifest.json"
     record.manifest, record.manifest_sha256 = read_manifest_at(repo, sha, exp.name)
     record.reason = (f"baseline {base.sha[:12]} green and reproducible on {len(cases)} cases x {len(exp.modes)} modes "

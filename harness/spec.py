@@ -365,12 +365,38 @@ class FixtureCase(Strict):
     initial_state: bool = True
 
 
+_PRECISION_RANK = {"float16": 0, "bfloat16": 0, "float32": 1, "float64": 2}
+
+
+class LowPrecision(Strict):
+    """Each case again with its inputs made in `dtype` (lower than the fixtures' dtype): the reference
+    runs on those same rounded inputs upcast, and every output and gradient must be within `rel_l2`
+    relative L2 error (||op - ref|| / ||ref||, per tensor). This is what exercises a kernel path that
+    only low-precision inputs dispatch to (an elementwise atol/rtol bound does not fit bf16 rounding).
+    float16/bfloat16 variants run only on CUDA: Triton's CPU interpreter computes them wrongly."""
+
+    dtype: Literal["float16", "bfloat16", "float32"]
+    rel_l2: float = Field(gt=0, le=1)
+
+
 class Fixtures(Strict):
     reference: str  # "module:function" (frozen path in the target repository) computing the oracle
     cases: list[str] = Field(min_length=1)  # names of shapes in `fixture_shapes`
     dtype: Literal["float32", "float64"] = "float32"
     rtol: float = Field(gt=0)
     atol: float = Field(ge=0)
+    low_precision: list[LowPrecision] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _lower(self) -> "Fixtures":
+        seen = set()
+        for i, lp in enumerate(self.low_precision):
+            if _PRECISION_RANK[lp.dtype] >= _PRECISION_RANK[self.dtype]:
+                raise ValueError(f"low_precision[{i}].dtype {lp.dtype} is not lower than fixtures.dtype {self.dtype}")
+            if lp.dtype in seen:
+                raise ValueError(f"low_precision[{i}].dtype {lp.dtype} is declared twice")
+            seen.add(lp.dtype)
+        return self
 
 
 class Removable(Strict):

@@ -185,9 +185,10 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     if digest != frec.manifest_sha256:
         frozen_problems.append(f"manifest at BENCH_BASE has sha256 {digest[:12]}, freeze recorded "
                                f"{str(frec.manifest_sha256)[:12]}")
-    branch_now = fx.ref_sha(repo, f"refs/heads/{fx.branch_name(exp.name)}")
+    branch = fx.branch_name(exp.name, frec.device)
+    branch_now = fx.ref_sha(repo, f"refs/heads/{branch}")
     if branch_now != frec.bench_base_sha:
-        frozen_problems.append(f"branch {fx.branch_name(exp.name)} moved from {frec.bench_base_sha[:12]} to "
+        frozen_problems.append(f"branch {branch} moved from {frec.bench_base_sha[:12]} to "
                                f"{(branch_now or 'nothing')[:12]}")
     rec.contract_changes = fx.contract_changes(loaded, manifest)
     frozen_problems += [f"experiment file changed the frozen oracle: {c}" for c in rec.contract_changes]
@@ -208,7 +209,8 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     else:
         job = {"action": "check", "worktree": rs.worktree, "op": exp.target.op, "reference": None,
                "inputs_file": None, "inputs_fn": None,
-               "cases": [{k: c[k] for k in ("name", "shape", "seed", "cotangent_seed")} for c in manifest["cases"]],
+               "cases": [{k: c[k] for k in ("name", "shape", "seed", "cotangent_seed", "input_dtype", "rel_l2") if k in c}
+                         for c in manifest["cases"]],
                "modes": manifest["modes"], "dtype": manifest["dtype"], "device": device,
                "rtol": manifest["rtol"], "atol": manifest["atol"],
                "fixture_dir": str(art / "fixtures"), "out_dir": str(art / "op")}
@@ -236,6 +238,9 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     f_numbers = {"paths": len(rec.frozen_paths), "changed_paths": [r["path"] for r in rec.frozen_paths if r["status"] == "FAIL"],
                  "changed_fixtures": [r["path"] for r in rec.fixture_files if r["status"] == "FAIL"],
                  "contract_changes": len(rec.contract_changes)}
+    low = [c for c in manifest["cases"] if c.get("input_dtype")]
+    low_note = ("; " + ", ".join(sorted({f"{c['input_dtype']} cases within rel_l2={c['rel_l2']}" for c in low}))) if low else ""
+    c_numbers["low_precision_cases"] = len(low)
     if correctness_problems:
         reason = f"{side}: " + "; ".join(correctness_problems[:4]) + (
             f"; ... ({len(correctness_problems)} problems)" if len(correctness_problems) > 4 else "")
@@ -243,7 +248,7 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     else:
         rec.gates["correctness"] = fx.phase_verdict(
             "PASS", f"{side}: {c_numbers['checks']} checks, {c_numbers['tensors']} tensors within rtol={manifest['rtol']}, "
-                    f"atol={manifest['atol']} (worst {worst:.3g} of tolerance)" if worst is not None else
+                    f"atol={manifest['atol']}{low_note} (worst {worst:.3g} of tolerance)" if worst is not None else
                     f"{side}: {c_numbers['checks']} checks passed", c_numbers)
     if frozen_problems:
         rec.gates["frozen_paths"] = fx.phase_verdict("FAIL", f"{side}: " + "; ".join(frozen_problems[:6]), f_numbers)

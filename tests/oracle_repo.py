@@ -164,7 +164,7 @@ _FROZEN: dict[str, tuple] = {}
 def frozen(tmp_path_factory):
     """One correct repo frozen once per test session: (repo, loaded, revisions, freeze record).
 
-    Tests add branches to it but never move main or bench-base/toy."""
+    Tests add branches to it but never move main or bench-base/toy-cpu."""
     if "ok" not in _FROZEN:
         from harness.fixtures import freeze
 

@@ -23,7 +23,7 @@ def test_freeze_creates_bench_base_with_matching_manifest(tmp_path_factory):
     assert rec.status == "PASS" and not rec.terminal, rec.failures
     assert rec.gate["status"] == "PASS"
     assert rec.reproducibility["status"] == "PASS" and rec.reproducibility["bitwise"] is True
-    sha = git(r.repo, "rev-parse", "refs/heads/bench-base/toy")
+    sha = git(r.repo, "rev-parse", "refs/heads/bench-base/toy-cpu")
     assert sha == rec.bench_base_sha
     assert git(r.repo, "rev-parse", f"{sha}^") == r.baseline
     # only fixtures/toy/ was added on top of the baseline
@@ -74,10 +74,10 @@ def test_refuses_to_move_bench_base(tmp_path_factory):
     fixture_dir = Path(rec.artifacts) / "run1" / "fixtures"
     relaxed = {**rec.manifest, "rtol": 1e-2}
     with pytest.raises(fixtures.FreezeError, match=r"refusing to move.*rtol"):
-        fixtures.commit_bench_base(r.repo, "toy", r.baseline, fixture_dir, relaxed, log=quiet)
+        fixtures.commit_bench_base(r.repo, "toy", r.baseline, fixture_dir, relaxed, log=quiet, device="cpu")
     with pytest.raises(fixtures.FreezeError, match="not the baseline"):
-        fixtures.commit_bench_base(r.repo, "toy", rec.bench_base_sha, fixture_dir, rec.manifest, log=quiet)
-    assert git(r.repo, "rev-parse", "refs/heads/bench-base/toy") == rec.bench_base_sha
+        fixtures.commit_bench_base(r.repo, "toy", rec.bench_base_sha, fixture_dir, rec.manifest, log=quiet, device="cpu")
+    assert git(r.repo, "rev-parse", "refs/heads/bench-base/toy-cpu") == rec.bench_base_sha
 
 
 def test_missing_frozen_path_is_an_error_naming_it(tmp_path_factory):
@@ -127,3 +127,76 @@ def test_two_runs_must_agree(tmp_path):
     (b / "d.safetensors").write_bytes((a / "c.safetensors").read_bytes())
     _, fails = fixtures._compare_dirs(a, b, 1e-5, 1e-6, "op output")
     assert any("only one of the two runs" in f for f in fails)
+
+
+# an op whose float32 path (the only one "low-precision" inputs reach) is wrong by 3%, like a
+# candidate kernel that only bf16 inputs dispatch to: the float64 cases cannot see it
+OP_LOW_PATH_WRONG = """\
+import torch
+
+
+def op(x, w, cu_seqlens=None):
+    y = (x @ w).sin()
+    return y * 1.03 if x.dtype == torch.float32 else y
+"""
+
+
+def _low_precision_experiment(r, rel_l2: float, name: str):
+    loaded = r.experiment(name=name)
+    src = loaded.path.read_text().replace(
+        "  dtype: float32\n  rtol:", f"  dtype: float64\n  low_precision: [{{dtype: float32, rel_l2: {rel_l2}}}]\n  rtol:")
+    loaded.path.write_text(src)
+    from harness.spec import load_experiment
+    return load_experiment(loaded.path)
+
+
+def test_low_precision_cases_exercise_the_low_precision_path(tmp_path):
+    from oracle_repo import OracleRepo
+    r = OracleRepo(tmp_path, op_src=OP_LOW_PATH_WRONG)
+    loaded = _low_precision_experiment(r, 1e-4, "lp.yaml")
+    revisions = r.resolve(loaded)
+    rec = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    # the float64 cases pass; each case's float32 variant fails on relative L2, named
+    assert rec.status == "FAIL"
+    assert {f.split("case ")[1].split(":")[0] for f in rec.failures} == {
+        "dense.float32 fwd", "dense.float32 fwdbwd", "ragged.float32 fwd", "ragged.float32 fwdbwd"}, rec.failures
+    assert all("relative L2 error 0.03" in f for f in rec.failures), rec.failures
+
+
+def test_low_precision_manifest_and_contract(tmp_path):
+    from oracle_repo import OracleRepo
+    r = OracleRepo(tmp_path)
+    loaded = _low_precision_experiment(r, 1e-5, "lp.yaml")
+    revisions = r.resolve(loaded)
+    rec = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    assert rec.status == "PASS", rec.failures
+    names = [c["name"] for c in rec.manifest["cases"]]
+    assert names == ["dense", "ragged", "dense.float32", "ragged.float32"]
+    low = [c for c in rec.manifest["cases"] if c.get("input_dtype")]
+    assert {c["rel_l2"] for c in low} == {1e-5}
+    assert rec.manifest["low_precision"] == [{"dtype": "float32", "rel_l2": 1e-5}]
+    # the stored inputs of a variant are float32, its reference outputs float64
+    files = {t: i for c in low for t, i in c["tensors"].items()}
+    assert files["in.kwargs.x"]["dtype"] == "F32" and files["out.0"]["dtype"] == "F64", files
+    tensors = [t for run in rec.runs for c in run["cases"] if "." in c["case"] for t in c["tensors"]]
+    assert tensors and all(t["criterion"] == "rel_l2" and t["rel_l2_err"] < 1e-6 for t in tensors)
+    # relaxing the bound after the freeze is a contract change, named
+    relaxed = loaded.path.read_text().replace("rel_l2: 1e-05", "rel_l2: 0.001").replace("rel_l2: 1.0e-05", "rel_l2: 0.001")
+    loaded.path.write_text(relaxed)
+    from harness.spec import load_experiment
+    changes = fixtures.contract_changes(load_experiment(loaded.path), rec.manifest)
+    assert changes and changes[0].startswith("low_precision"), changes
+
+
+def test_bf16_fixtures_are_cuda_only(tmp_path):
+    from oracle_repo import OracleRepo
+    r = OracleRepo(tmp_path)
+    loaded = r.experiment(name="bf.yaml")
+    loaded.path.write_text(loaded.path.read_text().replace(
+        "  dtype: float32\n  rtol:", "  dtype: float32\n  low_precision: [{dtype: bfloat16, rel_l2: 0.02}]\n  rtol:"))
+    from harness.spec import load_experiment
+    loaded = load_experiment(loaded.path)
+    assert [c["name"] for c in fixtures.cases_for(loaded, "cpu")] == ["dense", "ragged"]
+    assert [c["name"] for c in fixtures.cases_for(loaded, "cuda")][2:] == ["dense.bfloat16", "ragged.bfloat16"]
+    assert fixtures.skipped_low_precision(loaded, "cpu") == ["bfloat16"]
+    assert fixtures.branch_name("x", "cpu") == "bench-base/x-cpu" and fixtures.branch_name("x", "cuda:0") == "bench-base/x"

@@ -13,7 +13,7 @@ CAND_TEST = "def test_op():\n    pass  # skipped\n"
 
 def _side(r, loaded, name: str, files: dict):
     """Resolve a candidate branch `name` (from BENCH_BASE) carrying `files`."""
-    r.branch(name, "bench-base/toy", files)
+    r.branch(name, "bench-base/toy-cpu", files)
     cand = r.experiment(candidate=name, name=f"{name}.yaml")
     return cand, resolve(cand, r.profile)
 
@@ -43,11 +43,11 @@ def test_each_frozen_edit_alone_is_named(tmp_path_factory):
     for name, files, expect in (("edit-ref", {"ref.py": CAND_REF}, "ref.py"),
                                 ("edit-test", {"tests/test_op.py": CAND_TEST}, "tests/test_op.py"),
                                 ("add-test", {"tests/test_new.py": "x = 1\n"}, "tests/test_new.py")):
-        sha = r.branch(name, "bench-base/toy", files)
+        sha = r.branch(name, "bench-base/toy-cpu", files)
         rows = verify.check_frozen_paths(str(r.repo), sha, str(r.repo / "nowhere"), rec.manifest)
         failed = [row for row in rows if row["status"] == "FAIL"]
         assert len(failed) == 1 and expect in failed[0]["problem"], (name, rows)
-    sha = r.branch("edit-fixture", "bench-base/toy", {"fixtures/toy/ragged.safetensors": b"not a fixture"})
+    sha = r.branch("edit-fixture", "bench-base/toy-cpu", {"fixtures/toy/ragged.safetensors": b"not a fixture"})
     rows = verify.check_side_fixtures(str(r.repo), sha, "toy", rec.manifest, rec.manifest_sha256)
     assert [row["path"] for row in rows if row["status"] == "FAIL"] == ["fixtures/toy/ragged.safetensors"]
     # a side branched from the baseline (no fixtures) is noted, not failed

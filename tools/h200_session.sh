@@ -35,6 +35,17 @@ else
   timeout 60 python3 -m harness report "experiments/$EXP.yaml" --run "$RUN_ID" >/dev/null 2>&1 && \
     cp "$REPORT/report.json" "$OUT/partial-report.json"
 fi
-# records for the next call: <= 15 MB a piece, at most 6 pieces come back with the files above
-tar czf - --exclude=worktrees --exclude='*.ncu-rep' profile | split -b 15m - "$OUT/state.tgz."
+# records for the next call: <= 15 MB a piece; at most 8 files come back, so at most 5 pieces. The
+# Triton caches go whole when they fit, else only their autotune results (*.autotune.json: the next
+# machine then compiles the chosen configs but benchmarks none).
+tar czf - --exclude=worktrees --exclude='*.ncu-rep' profile | split -b 15m - /tmp/state-full.
+n=$(ls /tmp/state-full.* | wc -l)
+if [ "$n" -le 5 ]; then
+  for f in /tmp/state-full.*; do mv "$f" "$OUT/state.tgz.${f##*.}"; done
+else
+  echo "state is $n pieces with the Triton caches: sending their autotune results only"
+  find profile -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
+  tar czf - --exclude=worktrees --exclude='*.ncu-rep' --exclude-from=/tmp/drop.txt profile | split -b 15m - "$OUT/state.tgz."
+fi
+du -sh profile/*/triton-cache 2>/dev/null
 ls -la "$OUT"

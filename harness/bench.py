@@ -81,14 +81,23 @@ def training_job_row(loaded: LoadedExperiment, row: TrainingRow) -> dict:
     return {**row.model_dump(), "model_file": str(loaded.model_file(row)), "model_fn": fn}
 
 
+def triton_cache_dir(loaded: LoadedExperiment, profile_root: Path) -> Path:
+    return (Path(profile_root) / loaded.exp.name / "triton-cache").resolve()
+
+
 def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
-    """The block's environment: the side's declared env and its own persistent Triton cache."""
+    """The block's environment: the side's declared env and the experiment's persistent Triton cache."""
     env = dict(os.environ)
-    # Autotune timings persist in the side's cache: every fresh block process would otherwise
-    # benchmark every config again (seconds per kernel and shape on the H200). A side's env wins.
+    # Autotune timings persist in the cache: every fresh block process would otherwise benchmark
+    # every config again (seconds per kernel and shape on the H200). A side's env wins.
     env["TRITON_CACHE_AUTOTUNING"] = "1"
     env.update(getattr(loaded.exp, side).env)
-    env["TRITON_CACHE_DIR"] = str((profile_root / loaded.exp.name / "triton-cache" / side).resolve())
+    # One cache for both sides: Triton addresses compiled kernels and autotune results by the
+    # kernel's source hash, so a side never gets the other's code; a kernel both sides share
+    # compiles once and runs with the same tuned config on both (its stage cannot differ by a
+    # coin-flip between near-equal configs), and the first compile on a fresh GPU machine
+    # (about a minute per dtype and head-dim pair there) is paid once, not twice.
+    env["TRITON_CACHE_DIR"] = str(triton_cache_dir(loaded, profile_root))
     env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if cpu_mode:
         env["TRITON_INTERPRET"] = "1"

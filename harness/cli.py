@@ -21,6 +21,7 @@ COMMANDS = [
     "bench",
     "ncu",
     "profile",
+    "warm",
     "submit",
     "status",
     "cancel",

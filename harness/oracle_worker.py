@@ -93,6 +93,10 @@ def load_from_worktree(worktree: str, target: str):
     """`module:function` imported from `worktree`; the module file must be inside it."""
     import importlib
 
+    from harness.triton_autotune_cache import make_autotune_cache_serialisable
+
+    make_autotune_cache_serialisable()
+
     module_name, fn = target.split(":")
     top = module_name.split(".")[0]
     wt = Path(worktree).resolve()

@@ -44,6 +44,10 @@ def _load_op(worktree: str, op: str, package: dict | None = None):
     """The side's op: from its worktree (git side), or as installed at the declared version."""
     import importlib
 
+    from harness.triton_autotune_cache import make_autotune_cache_serialisable
+
+    make_autotune_cache_serialisable()
+
     module_name, fn = op.split(":")
     if package:
         from importlib.metadata import PackageNotFoundError, version

@@ -103,6 +103,7 @@ def _run_section(run: dict, run_dir: Path, blocks: list[Block]) -> dict:
     return {
         "id": run.get("run_id") or run_dir.name, "cpu_mode": bool(run.get("cpu_mode")), "aa": bool(run.get("aa")),
         "started": run.get("started"), "finished": run.get("finished"), "note": run.get("note") or "",
+        "measure_anyway": run.get("measure_anyway"),
         "run_dir": str(run_dir), "dtype": run.get("dtype"),
         "blocks_planned": len(plan), "blocks_completed": len(blocks),
         "blocks_failed": sum(1 for b in blocks if b.status != "ok"),

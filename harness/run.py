@@ -40,6 +40,9 @@ class RunOptions:
     force_cpu: bool = False
     aa: bool = False  # baseline against itself: the noise floor
     bench_only: bool = False  # `harness bench`: the interleaved blocks alone (no oracle, profile or ncu)
+    # after a failed Amdahl pre-gate, still measure (blocks, ncu, training) with this logged reason;
+    # the verdict stays NO-GO. For a candidate that exists already and whose cost the team wants on record.
+    measure_anyway: str | None = None
 
 
 def _now() -> str:
@@ -155,10 +158,18 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
     _write_json(manifest_path, manifest)
 
     terminal = None if opts.bench_only else _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
+    measure = terminal is None
     if terminal is None and not opts.bench_only:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+        measure = terminal is None
+        if terminal is not None and (opts.measure_anyway or manifest.get("measure_anyway")):
+            # the pre-gate's NO-GO stands; the blocks only put the candidate's real cost on record
+            manifest.setdefault("measure_anyway", {"reason": opts.measure_anyway, "pregate": terminal, "at": _now()})
+            _write_json(manifest_path, manifest)
+            log(f"measuring anyway ({manifest['measure_anyway']['reason']}); the verdict stays NO-GO: {terminal}")
+            measure = True
         _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
-    if terminal is None:
+    if measure:
         log.phase("bench")
         run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
         if not opts.bench_only:

@@ -24,13 +24,13 @@ from harness.bench import HARNESS_ROOT, side_env, triton_cache_dir
 from harness.spec import LoadedExperiment
 
 
-def warm_jobs(loaded: LoadedExperiment, sides: list) -> list[dict]:
+def warm_jobs(loaded: LoadedExperiment, sides: list, fixtures: bool = True) -> list[dict]:
     """(side, shape, dtype) combinations: every bench row in the experiment dtype, every fixture
     case in the fixtures' dtype and each low-precision dtype. `sides`: ResolvedSide records
     (one per distinct side: an A/A run warms its one revision once)."""
     exp = loaded.exp
     combos: list[tuple[dict, str]] = [(s.model_dump(exclude_none=True), exp.dtype) for s in exp.shapes]
-    if exp.fixtures is not None:
+    if exp.fixtures is not None and fixtures:
         for name in exp.fixtures.cases:
             shape = exp.shape(name).model_dump(exclude_none=True)
             combos.append((shape, exp.fixtures.dtype))
@@ -58,8 +58,8 @@ def warm_jobs(loaded: LoadedExperiment, sides: list) -> list[dict]:
 
 
 def run_warm(loaded: LoadedExperiment, sides: list, profile_root: Path, jobs: int = 8,
-             log=print, timeout: float = 900) -> list[dict]:
-    todo = warm_jobs(loaded, sides)
+             log=print, timeout: float = 900, fixtures: bool = True) -> list[dict]:
+    todo = warm_jobs(loaded, sides, fixtures=fixtures)
     out_dir = Path(profile_root) / loaded.exp.name / "warm"
     out_dir.mkdir(parents=True, exist_ok=True)
     log(f"warm: {len(todo)} processes ({jobs} at a time) into {triton_cache_dir(loaded, profile_root)}")

@@ -141,3 +141,30 @@ def test_aa_and_bench_only_runs_measure_the_baseline_and_log_no_attempt(temp_rep
                   temp_repo.root / "reports", cwd=temp_repo.root)
     assert res.returncode == 1, res.stdout + res.stderr  # the slow candidate, blocks only
     assert not (temp_repo.root / "profile" / "aa" / "attempts.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag", [None, "candidate exists; put its cost on record"])
+def test_failed_pregate_stops_measuring_unless_measure_anyway(temp_repo, monkeypatch, flag):
+    """A failed Amdahl pre-gate ends the run before the blocks; --measure-anyway runs them, logs why
+    in run.json, and the verdict stays NO-GO (the terminal reason is passed to the report)."""
+    from harness import run as R
+    from harness.spec import load_experiment
+
+    temp_repo.branch("cand", work=4)
+    loaded = load_experiment(temp_repo.experiment("pregate", "cand", SPEEDUP_GATE))
+    calls = {}
+    monkeypatch.setattr(R, "_oracle_phases", lambda *a, **k: None)
+    monkeypatch.setattr(R, "_profile_phase", lambda *a, **k: "Amdahl pre-gate failed: bound 1.003x < 1.1x")
+    monkeypatch.setattr(R, "run_blocks", lambda *a, **k: calls.setdefault("blocks", True))
+    monkeypatch.setattr(R, "_ncu_phase", lambda *a, **k: calls.setdefault("ncu", True))
+    monkeypatch.setattr(R, "_report_phase", lambda loaded, run_dir, opts, terminal, log: (terminal, run_dir, {}))
+    opts = R.RunOptions(profile_root=temp_repo.root / "profile", reports_root=temp_repo.root / "reports",
+                        measure_anyway=flag)
+    terminal, run_dir, _ = R.run_experiment(loaded, opts, log=lambda m: None)
+    assert terminal.startswith("Amdahl pre-gate failed")
+    manifest = json.loads((run_dir / "run.json").read_text())
+    if flag is None:
+        assert calls == {} and "measure_anyway" not in manifest
+    else:
+        assert calls == {"blocks": True, "ncu": True}
+        assert manifest["measure_anyway"]["reason"] == flag and "1.003x" in manifest["measure_anyway"]["pregate"]

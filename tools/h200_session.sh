@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
 # One device call on the H200: run (or resume) an experiment from a git bundle of this repository,
-# then send back the report and, when the run did not finish, its records for the next call.
+# then send back the report and either the records for the next call or, on the last call, the
+# records to keep.
 #
 # Here, before the call:
 #   make h200-wheels                                   # .whl/ (ignored)
 #   mkdir -p .bundle && git bundle create .bundle/repo.bundle main   # the device copy has no .git
-#   # after an unfinished call: mkdir -p .carry && cp /work/.device/<n>/state.tgz.* .carry/
-# The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480",
+#   # after an unfinished call: rm -rf .carry && mkdir .carry && cp /work/.device/<n>/state.tgz.* .carry/
+# The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480 [harness run args...]",
 #   carry [".whl", ".bundle", ".carry"], timeout_s 600.
+# Env knobs: RUN_ID (default h200); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
+#   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
+#   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
+#   and logs, the run's ncu reports if small) instead of resumable state.
 # What comes back in $OUT: warm.log, run.log, report.json + index.html when the run finished, and
-# state.tgz.aa, .ab, ... (records, verify/profile/ncu JSON, Triton caches with autotune timings;
-# no worktrees, no ncu reports) to put in .carry/ for `--resume` in the next call.
+# state.tgz.aa, .ab, ... (records, verify/profile/ncu JSON, Triton caches or their autotune
+# results; no worktrees, no ncu reports) to put in .carry/ for `--resume` in the next call.
 set -u
 EXP=${1:?experiment name}
-BUDGET=${2:-480}        # seconds for `harness run` itself; the rest of the call packs results
+BUDGET=${2:-480}        # seconds for `harness warm` + `harness run`; the rest of the call packs results
+shift 2 || true
+RUN_ARGS=("$@")
 RUN_ID=${RUN_ID:-h200}
 HERE=$PWD
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -27,11 +34,21 @@ if ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
   [ -d "profile/$EXP/runs/$RUN_ID" ] && RESUME=(--resume)
 fi
 START=$(date +%s)
+CAPTURE_PID=
+if [ "${CAPTURE:-0}" = 1 ]; then
+  # compiles on the CPU beside the warm below; its two ncu passes end before any timed block starts
+  OUT="$OUT/ncu-fixtures" PY=python3 bash tools/capture_ncu_fixtures.sh > /tmp/capture.log 2>&1 &
+  CAPTURE_PID=$!
+fi
 # compile every kernel in parallel first (minutes on a fresh machine, seconds with a carried cache)
-timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" > "$OUT/warm.log" 2>&1
+timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" ${WARM_ARGS:-} > "$OUT/warm.log" 2>&1
 echo "harness warm rc=$? in $(( $(date +%s) - START )) s"; tail -3 "$OUT/warm.log"
+if [ -n "$CAPTURE_PID" ]; then
+  wait "$CAPTURE_PID"; echo "ncu fixture capture rc=$? at $(( $(date +%s) - START )) s"; grep -E "rc=|MISSING" /tmp/capture.log | tail -4
+fi
 BUDGET=$(( BUDGET - ($(date +%s) - START) ))
-timeout "$BUDGET" python3 -m harness run "experiments/$EXP.yaml" --run-id "$RUN_ID" "${RESUME[@]}" > "$OUT/run.log" 2>&1
+timeout "$BUDGET" python3 -m harness run "experiments/$EXP.yaml" --run-id "$RUN_ID" "${RESUME[@]}" "${RUN_ARGS[@]}" \
+  > "$OUT/run.log" 2>&1
 rc=$?
 echo "harness run rc=$rc"; tail -15 "$OUT/run.log"
 REPORT=reports/$EXP/$RUN_ID
@@ -39,7 +56,19 @@ if [ -f "$REPORT/report.json" ] && [ "$rc" != 124 ]; then
   cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
 else
   timeout 60 python3 -m harness report "experiments/$EXP.yaml" --run "$RUN_ID" >/dev/null 2>&1 && \
-    cp "$REPORT/report.json" "$OUT/partial-report.json"
+    cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
+fi
+if [ "${FINAL:-0}" = 1 ]; then
+  # the records to keep (never into git: they go to profile/ here): run dir, freeze/verify/profile JSON,
+  # attempts, the run's ncu reports when they fit in one 15 MB archive
+  tar czf /tmp/records.tgz --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' profile
+  ls -la /tmp/records.tgz
+  if [ "$(stat -c %s /tmp/records.tgz)" -le 15000000 ]; then cp /tmp/records.tgz "$OUT/"; else
+    tar czf "$OUT/records.tgz" --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' \
+      --exclude='*.ncu-rep' profile; fi
+  find profile -name '*.ncu-rep' -exec ls -la {} \;
+  ls -la "$OUT" "$OUT"/ncu-fixtures 2>/dev/null
+  exit 0
 fi
 # records for the next call: <= 15 MB a piece; at most 8 files come back, so at most 4 pieces. The
 # Triton caches go whole when they fit, else only their autotune results (*.autotune.json: the next

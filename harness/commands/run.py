@@ -24,6 +24,9 @@ def add_parser(sub) -> None:
     add_common(p)
     p.add_argument("--note", default="", help="what this attempt changed (logged with the attempt)")
     p.add_argument("--reopen", metavar="REASON", help="allow a GO after the attempt budget is spent (logged)")
+    p.add_argument("--measure-anyway", metavar="REASON",
+                   help="after a failed Amdahl pre-gate, still run the blocks, ncu and training rows (logged in "
+                        "run.json with REASON; the verdict stays NO-GO): for a candidate that already exists")
     p.add_argument("--aa", action="store_true", help="A/A run: baseline against itself, to measure the noise floor")
     p.add_argument("--quiet", action="store_true",
                    help="plain progress lines, no live display (the default when stdout is not a terminal; "
@@ -34,7 +37,8 @@ def add_parser(sub) -> None:
 def options(args) -> RunOptions:
     opts = RunOptions(resume=args.resume, run_id=args.run_id, note=getattr(args, "note", ""),
                       reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False),
-                      bench_only=getattr(args, "bench_only", False))
+                      bench_only=getattr(args, "bench_only", False),
+                      measure_anyway=getattr(args, "measure_anyway", None))
     if args.profile_root:
         opts.profile_root = args.profile_root.resolve()
     if args.reports_root:

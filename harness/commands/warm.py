@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
                    help="processes at once (default: CPU count, at most 12)")
     p.add_argument("--side", choices=["baseline", "candidate"], action="append",
                    help="warm only this side (repeatable; default both)")
+    p.add_argument("--no-fixtures", action="store_true",
+                   help="bench rows only (the fixture cases are done once freeze and verify have run)")
     p.set_defaults(func=run)
 
 
@@ -40,5 +42,5 @@ def run(args) -> int:
     sides = [s for s in (revisions.baseline, revisions.candidate) if not args.side or s.side in args.side]
     if len(sides) == 2 and sides[0].kind == sides[1].kind == "git" and sides[0].sha == sides[1].sha:
         sides = sides[:1]
-    rows = run_warm(loaded, sides, root, jobs=args.jobs)
+    rows = run_warm(loaded, sides, root, jobs=args.jobs, fixtures=not args.no_fixtures)
     return 0 if all(r["rc"] == 0 for r in rows) else 1

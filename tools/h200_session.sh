@@ -13,7 +13,7 @@
 #   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
 #   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
 #   and logs, the run's ncu reports if small) instead of resumable state.
-# What comes back in $OUT: warm.log, run.log, report.json + index.html when the run finished, and
+# What comes back in $OUT: run.log, report.json + index.html when the run finished, and
 # state.tgz.aa, .ab, ... (records, verify/profile/ncu JSON, Triton caches or their autotune
 # results; no worktrees, no ncu reports) to put in .carry/ for `--resume` in the next call.
 set -u
@@ -41,8 +41,11 @@ if [ "${CAPTURE:-0}" = 1 ]; then
   CAPTURE_PID=$!
 fi
 # compile every kernel in parallel first (minutes on a fresh machine, seconds with a carried cache)
-timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" ${WARM_ARGS:-} > "$OUT/warm.log" 2>&1
-echo "harness warm rc=$? in $(( $(date +%s) - START )) s"; tail -3 "$OUT/warm.log"
+mkdir -p "profile/$EXP"
+WARM_LOG=profile/$EXP/warm-$(date -u +%Y%m%dT%H%M%SZ).log   # travels with the state (8 files come back at most)
+timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" ${WARM_ARGS:-} > "$WARM_LOG" 2>&1
+echo "harness warm rc=$? in $(( $(date +%s) - START )) s"; tail -3 "$WARM_LOG"
+[ "${FINAL:-0}" = 1 ] && cp "$WARM_LOG" "$OUT/warm.log"
 if [ -n "$CAPTURE_PID" ]; then
   wait "$CAPTURE_PID"; echo "ncu fixture capture rc=$? at $(( $(date +%s) - START )) s"; grep -E "rc=|MISSING" /tmp/capture.log | tail -4
 fi

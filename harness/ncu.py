@@ -430,6 +430,15 @@ def kernel_metrics(passes: dict[str, list[Launch]]) -> dict[str, dict]:
             values[metric.key] = got
             if got is None:
                 missing.append(metric.key)
+        # ncu's `.per_second` rates are computed by the CLI when it prints a report; the stored report
+        # (what ncu_report reads) lacks them (measured on the H200's ncu 2025.3.1). Bytes over the
+        # kernel's duration is the same rate: derived here, and its source says so.
+        d = values.get("duration_ns")
+        for key, src_key in (("dram_read_bytes_per_s", "dram_read_bytes"), ("dram_write_bytes_per_s", "dram_write_bytes")):
+            if values.get(key) is None and values.get(src_key) is not None and d:
+                values[key] = values[src_key] / (d * 1e-9)
+                sources[key] = f"derived: {src_key} / duration_ns"
+                missing.remove(key)
         values.update(_derived(values))
         full = by_pass.get("full") or []
         src = by_pass.get("source") or []

@@ -537,3 +537,19 @@ def test_ncu_command_without_ncu_is_inconclusive(temp_repo):
     [path] = list((temp_repo.root / "profile" / "ncu-cli" / "ncu").glob("*/ncu.json"))
     rec = json.loads(path.read_text())
     assert rec["gate"]["status"] is None and "ncu not found" in rec["gate"]["reason"]
+
+
+def test_dram_rate_derived_when_the_stored_report_lacks_it():
+    """The H200's stored reports hold dram__bytes_read.sum but not its `.per_second` (the CLI computes
+    that when printing). Figures from a real pkda_bwd_dAv_kernel launch there: 277,760 B in 4,896 ns;
+    `ncu --import --csv --page raw` printed 56,732,026,143.79 byte/s."""
+    la = full_launch("pkda_bwd_dAv_kernel", 4896, rd=277760, wr=0,
+                     drop=("dram__bytes_read.sum.per_second",))
+    rec = ncu.kernel_metrics({"full": [la]})["pkda_bwd_dAv_kernel"]
+    assert rec["metrics"]["dram_read_bytes_per_s"] == pytest.approx(56_732_026_143.79, rel=1e-9)
+    assert rec["sources"]["dram_read_bytes_per_s"].startswith("derived")
+    assert "dram_read_bytes_per_s" not in rec["missing"]
+    # without the bytes there is nothing to derive from: still missing, never 0
+    la = full_launch("k", 4896, drop=("dram__bytes_read.sum.per_second", "dram__bytes_read.sum"))
+    rec = ncu.kernel_metrics({"full": [la]})["k"]
+    assert rec["metrics"]["dram_read_bytes_per_s"] is None and "dram_read_bytes_per_s" in rec["missing"]

@@ -66,6 +66,8 @@ for p in full source; do
   timeout 60 "$PY" -m harness ncu --parse "$f" > "$OUT/pkda-small-$p.parse.txt" 2>&1 || true
 done
 # the device tool returns at most 8 files: keep the two reports, pack everything else into one
-(cd "$OUT" && tar czf ncu-capture-extras.tgz --exclude='*.ncu-rep' --exclude=ncu-capture-extras.tgz . && \
-  find . -maxdepth 1 -type f ! -name '*.ncu-rep' ! -name ncu-capture-extras.tgz -delete)
+# (the archive is written outside $OUT first: tar reading a directory it is writing into exits 1,
+# which on the H200 left every extra file in place and the two reports over the 8-file limit)
+(cd "$OUT" && tar czf "$WORK/extras.tgz" --exclude='*.ncu-rep' . ; \
+  find . -maxdepth 1 -type f ! -name '*.ncu-rep' -delete; mv "$WORK/extras.tgz" ncu-capture-extras.tgz)
 ls -la "$OUT"

@@ -73,12 +73,14 @@ if [ "${FINAL:-0}" = 1 ]; then
   ls -la "$OUT" "$OUT"/ncu-fixtures 2>/dev/null
   exit 0
 fi
-# records for the next call: <= 15 MB a piece; at most 8 files come back, so at most 4 pieces. The
+# records for the next call: <= 15 MB a piece; at most 8 files come back in all. The
 # Triton caches go whole when they fit, else only their autotune results (*.autotune.json: the next
 # machine then compiles the chosen configs but benchmarks none).
+MAXP=$(( 8 - $(find "$OUT" -type f | wc -l) ))   # the 8-file limit counts the report, logs and fixtures too
 tar czf - --exclude=worktrees --exclude='*.ncu-rep' profile | split -b 15m - /tmp/state-full.
 n=$(ls /tmp/state-full.* | wc -l)
-if [ "$n" -le 4 ]; then
+echo "state: $n pieces with the Triton caches; room for $MAXP"
+if [ "$n" -le "$MAXP" ]; then
   for f in /tmp/state-full.*; do mv "$f" "$OUT/state.tgz.${f##*.}"; done
 else
   echo "state is $n pieces with the Triton caches: sending their autotune results only"

@@ -14,8 +14,8 @@
    tolerances, SHA-256 of every fixture file, SHA-256 at BENCH_BASE of every frozen path) are
    committed under fixtures/<exp>/ on top of the baseline SHA, with plumbing (a temporary index,
    hash-object, write-tree, commit-tree, update-ref: the user's checkout and index are never
-   touched) as branch bench-base/<exp> (bench-base/<exp>-cpu for a CPU freeze). Author, committer and dates are fixed (the baseline's
-   commit date), so the same content always gives the same commit. A later freeze with the same
+   touched) as branch bench-base/<exp> (bench-base/<exp>-cpu for a CPU freeze). Author,
+   committer and dates are fixed (the baseline's commit date), so the same content always gives the same commit. A later freeze with the same
    baseline reuses the branch when the content is identical and otherwise refuses to move it.
 
 Records: profile/<exp>/freeze.json (FreezeRecord.to_json), also copied into a run dir when given.
@@ -259,19 +259,21 @@ def cases_for(loaded: LoadedExperiment, device: str | None = None) -> list[dict]
         return out
     variants = []
     for lp in exp.fixtures.low_precision:
-        if lp.dtype in LOW_PRECISION_CUDA_ONLY and not str(device).startswith("cuda"):
+        if not _runs_on(lp.dtype, device):
             continue
         variants += [{**c, "name": f"{c['name']}.{lp.dtype}", "input_dtype": lp.dtype, "rel_l2": lp.rel_l2}
                      for c in out]
     return out + variants
 
 
+def _runs_on(dtype: str, device: str) -> bool:
+    return dtype not in LOW_PRECISION_CUDA_ONLY or device_kind(device) == "cuda"
+
+
 def skipped_low_precision(loaded: LoadedExperiment, device: str) -> list[str]:
     """Declared low-precision dtypes that cannot run on this device (said in the record, never silent)."""
     fx = loaded.exp.fixtures
-    if fx is None or str(device).startswith("cuda"):
-        return []
-    return [lp.dtype for lp in fx.low_precision if lp.dtype in LOW_PRECISION_CUDA_ONLY]
+    return [] if fx is None else [lp.dtype for lp in fx.low_precision if not _runs_on(lp.dtype, device)]
 
 
 def is_variant(case: dict) -> bool:
@@ -302,7 +304,7 @@ def _compare_dirs(a: Path, b: Path, rtol: float, atol: float, what: str,
     import torch
     from safetensors.torch import load_file
 
-    from harness.oracle_worker import compare, compare_rel_l2
+    from harness.oracle_worker import compare_case_tensor
 
     def case_of(fname: str) -> str:
         stem = fname[: -len(".safetensors")]
@@ -329,8 +331,7 @@ def _compare_dirs(a: Path, b: Path, rtol: float, atol: float, what: str,
                 and torch.equal(torch.isnan(x), torch.isnan(y))))
             row = {"file": fname, "tensor": key, "bitwise": bitwise, "status": "PASS"}
             if not bitwise:
-                bound = (rel_l2_of or {}).get(case_of(fname))
-                c = compare(key, x, y, rtol, atol) if bound is None else compare_rel_l2(key, x, y, bound)
+                c = compare_case_tensor(key, x, y, rtol, atol, (rel_l2_of or {}).get(case_of(fname)))
                 row.update(status=c["status"], max_abs_err=c["max_abs_err"], worst_ratio=c["worst_ratio"])
                 if c["status"] != "PASS":
                     failures.append(f"{what} {fname}:{key} differs between two runs beyond tolerance ({c['problem']})")

@@ -397,6 +397,15 @@ def _stalls(launches: list[Launch], pattern: re.Pattern, weights: list[float | N
     return res
 
 
+DRAM_RATES = (("dram_read_bytes_per_s", "dram_read_bytes"), ("dram_write_bytes_per_s", "dram_write_bytes"))
+
+
+def _bytes_per_s(values: dict[str, float | None], bytes_key: str) -> float | None:
+    """Bytes over the duration (ns) of the same kernel or stage; None when either is missing."""
+    b, d = values.get(bytes_key), values.get("duration_ns")
+    return b / (d * 1e-9) if b is not None and d else None
+
+
 def kernel_metrics(passes: dict[str, list[Launch]]) -> dict[str, dict]:
     """Per kernel name: launches, table metrics (None when missing), derived, stalls, sources.
 
@@ -433,10 +442,10 @@ def kernel_metrics(passes: dict[str, list[Launch]]) -> dict[str, dict]:
         # ncu's `.per_second` rates are computed by the CLI when it prints a report; the stored report
         # (what ncu_report reads) lacks them (measured on the H200's ncu 2025.3.1). Bytes over the
         # kernel's duration is the same rate: derived here, and its source says so.
-        d = values.get("duration_ns")
-        for key, src_key in (("dram_read_bytes_per_s", "dram_read_bytes"), ("dram_write_bytes_per_s", "dram_write_bytes")):
-            if values.get(key) is None and values.get(src_key) is not None and d:
-                values[key] = values[src_key] / (d * 1e-9)
+        for key, src_key in DRAM_RATES:
+            rate = _bytes_per_s(values, src_key)
+            if values.get(key) is None and rate is not None:
+                values[key] = rate
                 sources[key] = f"derived: {src_key} / duration_ns"
                 missing.remove(key)
         values.update(_derived(values))
@@ -497,10 +506,10 @@ def stage_sums(kernels: dict[str, dict], patterns: dict[str, list[str]]) -> dict
             if recs and values[metric.key] is None:
                 missing[metric.key] = [k for k, v in zip(names, vals) if v is None]
         values.update(_derived(values))
-        d = values.get("duration_ns")
-        for key, src in (("dram_read_bytes_per_s", "dram_read_bytes"), ("dram_write_bytes_per_s", "dram_write_bytes")):
-            if values.get(src) is not None and d:  # a stage's throughput: its bytes over its time
-                values[key] = values[src] / (d * 1e-9)
+        for key, src in DRAM_RATES:  # a stage's throughput: its bytes over its time
+            rate = _bytes_per_s(values, src)
+            if rate is not None:
+                values[key] = rate
         stall_samples: dict[str, float] = {}
         for r in recs:
             for reason, v in r.get("stall_samples", {}).items():

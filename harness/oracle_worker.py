@@ -250,6 +250,13 @@ def _presence(rec: dict, got, want) -> bool:
     return False
 
 
+def _finite_masks(g: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(both finite, non-finite where the reference differs): NaN/inf must match the reference."""
+    both_finite = torch.isfinite(g) & torch.isfinite(w)
+    same_special = (torch.isnan(g) & torch.isnan(w)) | (torch.isinf(g) & torch.isinf(w) & (g == w))
+    return both_finite, ~both_finite & ~same_special
+
+
 def compare_rel_l2(name: str, got, want, rel_l2: float) -> dict:
     """One tensor of a low-precision case: ||got - want||_2 / ||want||_2 <= rel_l2, and every
     non-finite element where the reference has the same (so NaN poisoning still catches an
@@ -260,9 +267,8 @@ def compare_rel_l2(name: str, got, want, rel_l2: float) -> dict:
         return rec
     g = got.detach().cpu().double()
     w = want.detach().cpu().double()
-    both_finite = torch.isfinite(g) & torch.isfinite(w)
-    same_special = (torch.isnan(g) & torch.isnan(w)) | (torch.isinf(g) & torch.isinf(w) & (g == w))
-    n_nonfinite = int((~both_finite & ~same_special).sum())
+    both_finite, nonfinite_bad = _finite_masks(g, w)
+    n_nonfinite = int(nonfinite_bad.sum())
     diff = torch.where(both_finite, g - w, torch.zeros_like(g))
     ref_norm = float(torch.where(both_finite, w, torch.zeros_like(w)).norm())
     err_norm = float(diff.norm())
@@ -299,9 +305,7 @@ def compare(name: str, got, want, rtol: float, atol: float) -> dict:
         return rec
     g = g.double()
     w = w.double()
-    both_finite = torch.isfinite(g) & torch.isfinite(w)
-    same_special = (torch.isnan(g) & torch.isnan(w)) | (torch.isinf(g) & torch.isinf(w) & (g == w))
-    nonfinite_bad = ~both_finite & ~same_special
+    both_finite, nonfinite_bad = _finite_masks(g, w)
     diff = torch.where(both_finite, (g - w).abs(), torch.zeros_like(g))
     tol = atol + rtol * w.abs()
     tol = torch.where(both_finite, tol, torch.ones_like(tol))
@@ -340,7 +344,9 @@ def _json_safe(x):
     return x
 
 
-_compare = compare
+def compare_case_tensor(name: str, got, want, rtol: float, atol: float, rel_l2: float | None = None) -> dict:
+    """The criterion of the tensor's case: relative L2 for a low-precision case, else elementwise."""
+    return compare(name, got, want, rtol, atol) if rel_l2 is None else compare_rel_l2(name, got, want, rel_l2)
 
 
 # --- one case -------------------------------------------------------------------------------------
@@ -404,9 +410,7 @@ def check_case(op, path: Path, job: dict, case: dict | None = None) -> list[dict
     structure, tensors = read_case(path)
     rtol, atol = float(job["rtol"]), float(job["atol"])
     bound = (case or {}).get("rel_l2")
-
-    def compare(name, got, want, rtol, atol):
-        return _compare(name, got, want, rtol, atol) if bound is None else compare_rel_l2(name, got, want, float(bound))
+    bound = None if bound is None else float(bound)
     results = []
     problems = [f"reference {k} is non-finite" for k, t in tensors.items()
                 if (k.startswith(("out.", "grad."))) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
@@ -432,14 +436,14 @@ def check_case(op, path: Path, job: dict, case: dict | None = None) -> list[dict
         for i in range(max(len(outs), len(ref_outs))):
             got = outs[i] if i < len(outs) else None
             want = tensors.get(ref_outs[i]) if i < len(ref_outs) and ref_outs[i] else None
-            rec["tensors"].append(compare(f"out.{i}", got, want, rtol, atol))
+            rec["tensors"].append(compare_case_tensor(f"out.{i}", got, want, rtol, atol, bound))
             if got is not None:
                 saved[f"out.{i}"] = got.detach().cpu().contiguous()
         if mode == "fwdbwd":
             for name in sorted(set(structure.get("grads", {})) | set(grads)):
                 got = grads.get(name)
                 want = tensors.get(name) if structure.get("grads", {}).get(name) else None
-                rec["tensors"].append(compare(name, got, want, rtol, atol))
+                rec["tensors"].append(compare_case_tensor(name, got, want, rtol, atol, bound))
                 if got is not None:
                     saved[name] = got.detach().cpu().contiguous()
         if any(t["status"] == "FAIL" for t in rec["tensors"]):

@@ -12,7 +12,6 @@ blocks in fresh processes are what decide.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -24,12 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 from kernels.pkda import chunk_precond_kda, naive_recurrent_precond_kda  # noqa: E402
 from kernels.pkda.bench import ROWS  # noqa: E402
+from tools.gpu_check import GRADS, inputs_mod, rel, run  # noqa: E402  (the same inputs, leaves and error)
 
-_spec = importlib.util.spec_from_file_location("pkda_inputs", ROOT / "experiments/inputs/pkda.py")
-inputs_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(inputs_mod)
-
-GRADS = ["q", "k", "v", "g", "g_atk", "beta_atk", "beta", "log_atk_scale"]
 REPLACED = ("pkda_bwd_dAv", "pkda_bwd_intra", "pkda_bwd_beta_reduce", "pkda_bwd_dv_only")
 SMALL = [
     {"name": "dense_K64_V128_T130", "B": 1, "T": 130, "H": 3, "K": 64, "V": 128},
@@ -38,21 +33,13 @@ SMALL = [
 ]
 
 
-def rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def set_schedule(onchip: bool) -> None:
     os.environ["PKDA_DAQK_ONCHIP"] = "1" if onchip else "0"
 
 
 def grads_of(fn, kw, cot):
-    kw = {n: (t.detach().clone().requires_grad_(n in GRADS) if torch.is_tensor(t) and t.is_floating_point() else t)
-          for n, t in kw.items()}
-    o = fn(**kw)[0]
-    gs = torch.autograd.grad(o, [kw[n] for n in GRADS], cot.to(o.dtype))
-    return {"o": o.detach(), **dict(zip(GRADS, gs))}
+    o, grads = run(fn, kw, cot)
+    return {"o": o, **grads}
 
 
 def compare(shape, with_naive: bool) -> None:

@@ -775,7 +775,9 @@ def profile_mode(exp) -> str:
 def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[[str], None] = print) -> dict:
     """Profile both sides on every `ncu.rows` row, parse, sum stages, decide the gate, write
     run_dir/ncu.json (atomically) and return the record. Never raises for a missing ncu or a failed
-    profile: those end in the record's gate as INCONCLUSIVE with the reason."""
+    profile: those end in the record's gate as INCONCLUSIVE with the reason. Each (side, row) is kept
+    in ncu/<side>-<row>.json as soon as it is parsed: a run resumed after a crash (or a device call
+    that ran out of time) profiles only what is missing."""
     from harness.bench import side_env
 
     exp = loaded.exp
@@ -820,6 +822,17 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
                    "inputs_fn": inputs_fn, "shape": shape.model_dump(exclude_none=True), "mode": mode,
                    "dtype": exp.dtype, "seed": exp.seed, "warmup": exp.warmup,
                    "result_path": str(out_dir / f"{side}-{row}-target.json")}
+            done_path = out_dir / f"{side}-{row}.json"
+            if done_path.is_file():
+                # a resumed run: this (side, row) was profiled and parsed by an earlier attempt (its
+                # reports may be gone with that machine; the parsed record is what the gate reads)
+                row_rec = json.loads(done_path.read_text())
+                if row_rec.get("status") == "ok":
+                    log(f"ncu {side} {row}: kept from an earlier attempt ({done_path.name})")
+                    record["commands"] += [{"side": side, "row": row, "pass": p, **r}
+                                           for p, r in row_rec["passes"].items()]
+                    side_rec["rows"][row] = row_rec
+                    continue
             job_path = out_dir / f"{side}-{row}-job.json"
             job_path.write_text(json.dumps(job, indent=1))
             target = [sys.executable, "-m", "harness.ncu_target", str(job_path)]
@@ -838,6 +851,9 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
             row_rec["target"] = json.loads(tpath.read_text()) if tpath.is_file() else None
             _parse_row(row_rec, patterns, ncu)
             side_rec["rows"][row] = row_rec
+            tmp = done_path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(_clean(row_rec), indent=1, sort_keys=True, default=str))
+            tmp.replace(done_path)
             if row_rec["status"] != "ok":
                 log(f"ncu {side} {row}: {row_rec['error']}")
     try:

@@ -5,7 +5,7 @@ On a fresh GPU machine the first call of each (dtype, head dims, dense/varlen) c
 every autotune config of every stage: about a minute per combination on the H200, one process at a
 time, which is most of a session's device time. Compilation is CPU work, so it runs here in up to
 `--jobs` processes at once: one per side and (row or fixture case, dtype), each calling the side's
-op from its worktree in fwd and fwd+bwd once. Autotune results are NOT cached by these processes
+op from its worktree in fwd and fwd+bwd once, and one per side and training row (one optimizer step). Autotune results are NOT cached by these processes
 (TRITON_CACHE_AUTOTUNING unset): their benchmarks overlap on the GPU and would be noise. The
 harness's own processes later find the binaries compiled and tune on a quiet GPU.
 Kernel binaries are addressed by their source hash, so warming cannot change what a side runs.
@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.bench import HARNESS_ROOT, side_env, triton_cache_dir
+from harness.bench import HARNESS_ROOT, side_env, training_job_row, triton_cache_dir
 from harness.spec import LoadedExperiment
 
 
@@ -54,6 +54,12 @@ def warm_jobs(loaded: LoadedExperiment, sides: list, fixtures: bool = True) -> l
                          "shape": shape, "dtype": dtype,
                          "inputs_file": str(loaded.inputs_file), "inputs_fn": exp.target.inputs.split(":")[1],
                          "seed": exp.seed})
+        # training rows call the op through the model (their own head dims, varlen flag and
+        # arguments): one untimed step each compiles what they need
+        for t in exp.training:
+            row = {**training_job_row(loaded, t), "warmup_steps": 1, "steps": 1}
+            jobs.append({"side": rs.side, "worktree": rs.worktree, "package": package, "op": exp.target.op,
+                         "shape": {"name": t.name}, "dtype": t.dtype, "training": [row]})
     return jobs
 
 
@@ -98,8 +104,18 @@ def _one(job_file: str) -> int:
     from harness.worker import _DTYPES, Call, _load_inputs, _load_op
 
     job = json.loads(Path(job_file).read_text())
-    make = _load_inputs(job["inputs_file"], job["inputs_fn"])
     op = _load_op(job["worktree"], job["op"], job.get("package"))
+    if job.get("training"):
+        from harness.training import run_training_rows
+
+        failures = []
+        run_training_rows(job, lambda kind, **rec: failures.append(rec["error"]) if kind == "failure" else None,
+                          op, "cuda")
+        torch.cuda.synchronize()
+        if failures:
+            print("\n".join(failures), file=sys.stderr)
+        return 1 if failures else 0
+    make = _load_inputs(job["inputs_file"], job["inputs_fn"])
     for mode in ("fwd", "fwdbwd"):
         inputs = make(dict(job["shape"]), mode, _DTYPES[job["dtype"]], "cuda", int(job["seed"]))
         Call(op, inputs, mode, int(job["seed"]))()

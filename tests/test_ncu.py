@@ -358,6 +358,33 @@ def test_phase_end_to_end_with_stand_in_reports(tmp_path, monkeypatch):
     assert "replaced" in text and "ncu gate: PASS" in text
 
 
+def test_resumed_phase_profiles_only_the_missing_side_rows(tmp_path, monkeypatch):
+    fake = _fake_ncu(tmp_path, 'if [ "$1" = --version ]; then echo "Version 2025.3.1.0"; exit 0; fi\n'
+                               'echo "$@" >> "$(dirname "$0")/argv.log"\n'
+                               'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then touch "$2.ncu-rep"; fi; shift; done\n')
+    monkeypatch.setenv("HARNESS_NCU", fake)
+
+    def reader(path, ncu_bin=None, timeout=600):
+        name = Path(path).name
+        passes = baseline_passes() if name.startswith("baseline") else candidate_passes()
+        return passes["full" if "-full" in name else "source"], "synthetic"
+
+    monkeypatch.setattr(ncu, "read_report", reader)
+    first = ncu.ncu_run(_loaded(tmp_path), _revisions(tmp_path), tmp_path / "run", tmp_path / "profile", log=lambda s: None)
+    # the run died before ncu.json: the candidate's row is lost, the baseline's parsed row stays
+    (tmp_path / "run" / "ncu.json").unlink()
+    (tmp_path / "run" / "ncu" / "candidate-small.json").unlink()
+    for rep in (tmp_path / "run" / "ncu").glob("*.ncu-rep"):
+        rep.unlink()  # reports do not travel between machines; the parsed record does
+    (tmp_path / "argv.log").unlink()
+    again = ncu.ncu_run(_loaded(tmp_path), _revisions(tmp_path), tmp_path / "run", tmp_path / "profile", log=lambda s: None)
+    argv = (tmp_path / "argv.log").read_text().splitlines()
+    assert len(argv) == 2 and all("candidate-small" in a for a in argv)
+    assert again["gate"]["status"] == first["gate"]["status"] == "PASS"
+    assert again["sides"]["baseline"]["rows"]["small"]["stages"] == first["sides"]["baseline"]["rows"]["small"]["stages"]
+    assert len(again["commands"]) == 4
+
+
 def test_candidate_spills_fail_the_gate_end_to_end(tmp_path, monkeypatch):
     record = {"error": None, "sides": {}}
     for side, passes in (("baseline", baseline_passes()), ("candidate", candidate_passes(spills=3))):

@@ -9,6 +9,8 @@
 #   # after an unfinished call: rm -rf .carry && mkdir .carry && cp /work/.device/<n>/state.tgz.* .carry/
 # The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480 [harness run args...]",
 #   carry [".whl", ".bundle", ".carry"], timeout_s 600.
+# A call that finds the last call's machine still warm (the next call made within its idle time)
+#   reuses that machine's /tmp/repo whole when it holds the same commit, and ignores .carry.
 # Env knobs: RUN_ID (default h200); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
 #   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
 #   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
@@ -23,16 +25,23 @@ shift 2 || true
 RUN_ARGS=("$@")
 RUN_ID=${RUN_ID:-h200}
 HERE=$PWD
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HARNESS_QUIET=1
-rm -rf /tmp/repo && git clone -q "$HERE/.bundle/repo.bundle" /tmp/repo && cd /tmp/repo && git checkout -q main || exit 2
+WANT=$(git ls-remote "$HERE/.bundle/repo.bundle" refs/heads/main | cut -f1)
+RESUME=()
+if [ -d /tmp/repo/.git ] && [ "$(git -C /tmp/repo rev-parse HEAD)" = "$WANT" ]; then
+  # the machine is still the one of the last call (it stayed warm): its records, worktrees, Triton
+  # cache and ncu reports are all here, newer than anything in .carry
+  cd /tmp/repo && echo "reusing this machine's /tmp/repo ($(du -sh profile 2>/dev/null | cut -f1) of records)"
+else
+  rm -rf /tmp/repo && git clone -q "$HERE/.bundle/repo.bundle" /tmp/repo && cd /tmp/repo && git checkout -q main || exit 2
+  if ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
+    cat "$HERE"/.carry/state.tgz.* | tar xzf - && echo "restored $(du -sh profile | cut -f1) of records"
+  fi
+fi
+[ -d "profile/$EXP/runs/$RUN_ID" ] && RESUME=(--resume)
 git log --oneline -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,clocks_event_reasons.active --format=csv,noheader
-RESUME=()
-if ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
-  cat "$HERE"/.carry/state.tgz.* | tar xzf - && echo "restored $(du -sh profile | cut -f1) of records"
-  [ -d "profile/$EXP/runs/$RUN_ID" ] && RESUME=(--resume)
-fi
 START=$(date +%s)
 CAPTURE_PID=
 if [ "${CAPTURE:-0}" = 1 ]; then

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from harness import gates as G
 from harness import stats
+from harness.profile import pregate_terminal
 from harness.records import Block, completed_blocks, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
@@ -318,7 +319,8 @@ def _training_blocks(record: dict | None) -> dict:
 def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state: dict, run: dict,
                      given: str | None) -> str | None:
     """Why this run is a NO-GO whatever its gates say: given by the caller, a red baseline in the
-    freeze record, a terminal state for this baseline SHA, or a verdict capped by the attempt limit
+    freeze record, a failed Amdahl pre-gate in the profile record, a terminal state for this
+    baseline SHA, or a verdict capped by the attempt limit
     when the run was logged (so a re-render agrees with the original)."""
     if given:
         return given
@@ -326,6 +328,9 @@ def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state
     base_sha = ((run.get("revisions") or {}).get("baseline") or {}).get("sha")
     if freeze.get("terminal") and freeze.get("baseline_sha") in (None, base_sha):
         return f"red baseline: {freeze.get('reason') or 'the baseline failed its own oracle'}"
+    pregate = pregate_terminal(phases.get("profile"), bool(run.get("cpu_mode")))
+    if pregate:  # the run stopped there, or measured anyway with its NO-GO standing
+        return pregate
     if state.get("state") == "TERMINAL_NO_GO":
         term_sha = (state.get("terminal") or {}).get("baseline_sha")
         if term_sha is None or base_sha is None or term_sha == base_sha:

@@ -87,6 +87,16 @@ def _finite(x: float | None) -> float | None:
 
 # --- what to measure ---------------------------------------------------------------------------
 
+def pregate_terminal(record: dict | None, cpu_mode: bool) -> str | None:
+    """The terminal reason a failed Amdahl pre-gate gives a run (None when it passed, was
+    inconclusive, or the run is a CPU smoke test, whose timings decide nothing). One wording for
+    the run that stops on it and for any later re-render of that run."""
+    gate = (record or {}).get("gate") or {}
+    if gate.get("status") == "FAIL" and not cpu_mode:
+        return f"Amdahl pre-gate failed: {gate.get('reason')}"
+    return None
+
+
 def profile_shapes(loaded: LoadedExperiment, cpu_mode: bool) -> list[Shape]:
     """The shapes of `profile.rows` and of every Amdahl gate's row. On CPU with a `cpu:` profile,
     only the rows it has a stand-in for (a GPU-sized row under the interpreter would take hours);

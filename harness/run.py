@@ -209,10 +209,7 @@ def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
     path = run_dir / "profile.json"
     record = json.loads(path.read_text()) if path.exists() else \
         profile.profile_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode=cpu_mode, log=log)
-    gate = (record or {}).get("gate") or {}
-    if gate.get("status") == "FAIL" and not cpu_mode:
-        return f"Amdahl pre-gate failed: {gate.get('reason')}"
-    return None
+    return profile.pregate_terminal(record, cpu_mode)
 
 
 def _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:

@@ -444,7 +444,8 @@ def test_real_full_report():
     if not _reader_available():
         pytest.skip("neither ncu_report nor ncu is installed to read .ncu-rep files")
     for path in FULL_REPS:
-        assert path.stat().st_size < 2 * 2**20, f"{path} is over 2 MB: filter the capture harder"
+        # the PmSampling sections make a full-set report of three small kernels about 4 MB
+        assert path.stat().st_size < 5 * 2**20, f"{path} is over 5 MB: filter the capture harder"
         launches, reader = ncu.read_report(path)
         assert launches, f"{path}: no kernel launches"
         kernels = ncu.kernel_metrics({"full": launches})
@@ -472,9 +473,31 @@ def test_real_source_report():
         assert launches and all("pkda" in la.name for la in launches)
         kernels = ncu.kernel_metrics({"source": launches})
         for name, k in kernels.items():
-            assert k["metrics"]["spill_local_requests"] is not None, (name, k["missing"])
-            assert k["metrics"]["spill_local_requests"] >= 0
+            # the source pass counts spill instructions; the request count comes from the full pass
+            assert k["metrics"]["spill_instructions"] is not None, (name, k["missing"])
+            assert k["metrics"]["spill_instructions"] >= 0
             assert k["stall_samples"], f"{name}: SourceCounters gave no stall samples"
+
+
+@needs_fixtures
+def test_real_capture_values():
+    """Figures read from the committed H200 capture (tools/capture_ncu_fixtures.sh: one fwd+bwd at
+    B=1 T=256 H=2 K=V=64 bf16, the materialised backward's three kernels)."""
+    if not _reader_available():
+        pytest.skip("neither ncu_report nor ncu is installed to read .ncu-rep files")
+    full, _ = ncu.read_report(FIXTURES / "pkda-small-full.ncu-rep")
+    source, _ = ncu.read_report(FIXTURES / "pkda-small-source.ncu-rep")
+    k = ncu.kernel_metrics({"full": full, "source": source})
+    assert sorted(k) == ["pkda_bwd_beta_reduce_kernel", "pkda_bwd_dAv_kernel", "pkda_bwd_intra_kernel"]
+    regs = {n: v["metrics"]["registers_per_thread"] for n, v in k.items()}
+    assert regs == {"pkda_bwd_dAv_kernel": 112, "pkda_bwd_intra_kernel": 252, "pkda_bwd_beta_reduce_kernel": 26}
+    tensor = {n: v["metrics"]["tensor_inst"] for n, v in k.items()}
+    assert tensor == {"pkda_bwd_dAv_kernel": 512, "pkda_bwd_intra_kernel": 4096, "pkda_bwd_beta_reduce_kernel": 0}
+    assert k["pkda_bwd_intra_kernel"]["metrics"]["duration_ns"] == 22848
+    assert k["pkda_bwd_intra_kernel"]["metrics"]["theoretical_occupancy_pct"] == 12.5
+    assert all(v["metrics"]["spill_local_requests"] == 0 for v in k.values())  # K=V=64: no spills
+    assert k["pkda_bwd_dAv_kernel"]["top_stalls"][0]["reason"] == "long_scoreboard"
+    assert k["pkda_bwd_intra_kernel"]["stall_samples"]["barrier"] == 70
 
 
 @needs_fixtures

@@ -164,3 +164,35 @@ def stage_shares(shares: dict[str, dict[str, float]], title: str, name: str = "s
         ax.legend(handles, labels, fontsize=7, frameon=False, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         _margins(fig, bars, right=0.3 + 0.065 * max(len(x) for x in labels))
         return _to_svg(fig, name)
+
+
+def stall_bars(shares: dict[str, dict[str, float]], title: str, name: str, top: int = 8) -> str | None:
+    """Grouped horizontal bars of warp-stall reasons, one bar per side for each reason.
+    shares: {side: {reason: share of that side's stall samples}}; the `top` reasons by their
+    largest share on any side are drawn, largest first."""
+    sides = [s for s, d in shares.items() if d]
+    if not sides:
+        return None
+    reasons = sorted({r for s in sides for r in shares[s]}, key=lambda r: -max(shares[s].get(r, 0.0) for s in sides))
+    reasons = [r for r in reasons if max(shares[s].get(r, 0.0) for s in sides) > 0][:top]
+    if not reasons:
+        return None
+    h = 0.8 / len(sides)
+    with plt.rc_context(_RC):
+        fig, ax = plt.subplots(figsize=(7.5, 0.8 + 0.32 * len(reasons) * len(sides)))
+        for si, side in enumerate(sides):
+            ys = [ri + si * h for ri in range(len(reasons))]
+            vals = [float(shares[side].get(r, 0.0)) for r in reasons]
+            ax.barh(ys, vals, height=h, color=SIDE_COLOURS.get(side, "#888888"), label=_label(side))
+            for y, v in zip(ys, vals):
+                if v > 0:
+                    ax.text(v, y, f" {v:.0%}", va="center", fontsize=7)
+        ax.set_yticks([ri + h * (len(sides) - 1) / 2 for ri in range(len(reasons))])
+        ax.set_yticklabels([_label(r) for r in reasons])
+        ax.invert_yaxis()
+        ax.set_xlim(0, min(1.0, 1.15 * max(max(shares[s].values()) for s in sides)))
+        ax.set_xlabel("share of sampled warp stalls")
+        ax.set_title(_label(title), fontsize=9)
+        ax.legend(fontsize=7, frameon=False, loc="lower right")
+        _margins(fig, reasons)
+        return _to_svg(fig, name)

@@ -173,6 +173,72 @@ def _row_stage_shares(row: dict) -> dict[str, dict[str, float]]:
     return out
 
 
+NCU_KERNEL_KEYS = ("launches", "duration_ns", "dram_read_bytes", "dram_write_bytes", "l2_bytes", "tensor_inst",
+                   "sm_sol_pct", "achieved_occupancy_pct", "registers_per_thread", "spill_local_requests",
+                   "warps_eligible_per_cycle")
+
+
+def _stall_shares(node: dict) -> dict[str, float]:
+    """A stage's (or kernel's) stall reasons as shares: the sampled stalls (SourceCounters and
+    PmSampling) when there are any, else the warp-state ratios of the full pass; as in
+    ncu.top_stalls, an issuing warp ("selected") is no stall."""
+    from harness.ncu import NOT_A_STALL
+
+    for key in ("stall_samples", "stall_ratio"):
+        counts = {r: float(v) for r, v in (node.get(key) or {}).items()
+                  if isinstance(v, (int, float)) and v > 0 and r not in NOT_A_STALL}
+        total = sum(counts.values())
+        if total > 0:
+            return {r: v / total for r, v in counts.items()}
+    return {}
+
+
+def ncu_view(record: dict | None) -> dict | None:
+    """The Nsight Compute section's tables from the run's ncu record (report.json phases.ncu):
+    per row and stage, every table metric side by side with its delta and ratio; per row, every
+    profiled kernel of both sides; the commands that made the reports."""
+    from harness import ncu
+
+    if not record:
+        return None
+    labels = {k: (record.get("metric_table") or {}).get(k, {}).get("label", k) for k in ncu.TABLE_KEYS}
+    sides = record.get("sides") or {}
+    rows = []
+    for row in record.get("rows") or []:
+        side_rows = {side: (sides.get(side) or {}).get("rows", {}).get(row) or {} for side in ("baseline", "candidate")}
+        stages = []
+        for stage, d in ((record.get("deltas") or {}).get(row) or {}).items():
+            metrics = []
+            for key in ncu.TABLE_KEYS:
+                m = d.get(key) or {}
+                metrics.append({"key": key, "label": labels[key], "baseline": ncu.fmt(key, m.get("baseline")),
+                                "candidate": ncu.fmt(key, m.get("candidate")),
+                                "delta": "missing" if m.get("delta") is None else ncu.fmt(key, m["delta"]),
+                                "ratio": m.get("ratio")})
+            per_side = {side: (side_rows[side].get("stages") or {}).get(stage) or {} for side in side_rows}
+            stages.append({"stage": stage, "metrics": metrics,
+                           "kernels": {side: st.get("kernels") or [] for side, st in per_side.items()},
+                           "top_stalls": {side: [t["reason"] for t in (st.get("top_stalls") or [])[:3]]
+                                          for side, st in per_side.items()},
+                           "stalls": {side: _stall_shares(st) for side, st in per_side.items()}})
+        kernels = []
+        for side, rec in side_rows.items():
+            for name, k in (rec.get("kernels") or {}).items():
+                m = k.get("metrics") or {}
+                kernels.append({"side": side, "name": name,
+                                "cells": [{"key": key, "text": ncu.fmt(key, k.get("launches") if key == "launches"
+                                                                         else m.get(key)),
+                                            "sort": k.get("launches") if key == "launches" else m.get(key)}
+                                           for key in NCU_KERNEL_KEYS],
+                                "stalls": ", ".join(t["reason"] for t in (k.get("top_stalls") or [])[:3]) or "n/a"})
+        status = {side: {"status": rec.get("status"), "error": rec.get("error")} for side, rec in side_rows.items()}
+        rows.append({"row": row, "stages": stages, "kernels": kernels, "status": status})
+    return {"rows": rows, "kernel_columns": [labels.get(k, k) for k in NCU_KERNEL_KEYS],
+            "commands": record.get("commands") or [], "version": (record.get("ncu") or {}).get("version"),
+            "mode": record.get("mode"), "nvtx_range": record.get("nvtx_range"), "error": record.get("error"),
+            "cache_control": record.get("cache_control"), "clock_control": record.get("clock_control")}
+
+
 def build_figures(report: dict) -> dict:
     items = [{"label": r["name"], **r["speedup"]} for r in report["rows"]]
     items += [{"label": f"geomean: {g['name']}", "point": g["point"], "lo": g["lo"], "hi": g["hi"], "geomean": True}
@@ -190,7 +256,12 @@ def build_figures(report: dict) -> dict:
             stages[r["name"]] = plots.stage_shares(shares, f"{r['name']}: stage share of the call's median",
                                                    f"stages-{slug(r['name'])}")
     profile = _profile_shares((report.get("phases") or {}).get("profile"))
+    view = ncu_view((report.get("phases") or {}).get("ncu"))
+    stalls = {f"{r['row']}/{st['stage']}": plots.stall_bars(st["stalls"], f"{r['row']}, stage {st['stage']}: warp stalls",
+                                                          f"ncu-stalls-{slug(r['row'])}-{slug(st['stage'])}")
+              for r in (view or {}).get("rows", []) for st in r["stages"]}
     return {
+        "ncu_stalls": stalls,
         "forest": plots.speedup_forest(items, _thresholds(report)),
         "series": series, "dists": dists, "stages": stages,
         "profile": plots.stage_shares(profile, "baseline profile: stage shares", "profile-shares") if profile else None,
@@ -221,6 +292,7 @@ def render_html(report: dict) -> str:
     """The report page for one run, from its report.json dict alone."""
     return _env().get_template("report.html.j2").render(
         r=report, figures=build_figures(report), headline=headline(report),
+        ncu=ncu_view((report.get("phases") or {}).get("ncu")),
         failed_blocks=[b for b in report["blocks"] if b["status"] != "ok"],
         row_failures=[f for f in report["failures"] if f.get("shape")],
     )

@@ -274,7 +274,20 @@ def test_phase_records_reach_gates_and_sections(tmp_path):
                "gate": {"status": None, "reason": "stages not visible on CPU", "numbers": {}}}
     freeze = {"kind": "freeze", "status": "PASS", "terminal": False, "baseline_sha": "0123456789abcdef" * 2,
               "manifest_sha256": "ab" * 32, "gate": {"status": "PASS", "reason": "baseline matches the oracle twice"}}
-    for name, rec in (("verify", verify), ("profile", profile), ("freeze", freeze)):
+    stage = {"kernels": ["k_intra"], "metrics": {"duration_ns": 2000.0}, "stall_samples": {"wait": 30, "selected": 50,
+                                                                                     "long_scoreboard": 10}}
+    ncu_rec = {"rows": ["S1"], "mode": "fwdbwd", "nvtx_range": "harness.measure", "ncu": {"version": "2025.3.1.0"},
+               "metric_table": {"duration_ns": {"label": "duration"}},
+               "sides": {side: {"rows": {"S1": {"status": "ok", "stages": {"replaced": stage},
+                                                "kernels": {f"k_{side}": {"launches": 1, "metrics": {"duration_ns": 2000.0},
+                                                                          "top_stalls": [{"reason": "wait"}]}}}}}
+                         for side in ("baseline", "candidate")},
+               "deltas": {"S1": {"replaced": {"duration_ns": {"baseline": 2000.0, "candidate": 1000.0, "delta": -1000.0,
+                                                              "ratio": 0.5}}}},
+               "commands": [{"side": "baseline", "row": "S1", "pass": "full", "rc": 0, "wall_s": 3.5,
+                             "command": f"ncu --clock-control none -o {XSS}"}],
+               "gate": {"status": "PASS", "reason": "replaced.dram_bytes lower", "numbers": {}}}
+    for name, rec in (("verify", verify), ("profile", profile), ("freeze", freeze), ("ncu", ncu_rec)):
         (run_dir / f"{name}.json").write_text(json.dumps(rec))
     data = analyse.build_report(loaded, run_dir)
     assert _gate(data, "frozen")["status"] == "FAIL" and data["verdict"] == "NO-GO"
@@ -285,3 +298,15 @@ def test_phase_records_reach_gates_and_sections(tmp_path):
     assert 'aria-label="profile-shares"' in html  # stage-share bars from the profile record
     assert "40 values" in html  # long sample lists fold away
     assert f"kernels/{XSS}" not in html and "kernels/&lt;script&gt;" in html
+    # the Nsight Compute section: the stage side by side (missing metrics say so), kernels, stall
+    # bars without the issuing state, the commands (escaped) and the ncu version in the provenance
+    view = report.ncu_view(data["phases"]["ncu"])
+    (st,) = view["rows"][0]["stages"]
+    by_key = {m["key"]: m for m in st["metrics"]}
+    assert by_key["duration_ns"]["baseline"] == "2.00 us" and by_key["duration_ns"]["candidate"] == "1.00 us"
+    assert by_key["duration_ns"]["ratio"] == 0.5 and by_key["dram_read_bytes"]["baseline"] == "missing"
+    assert st["stalls"]["baseline"] == {"wait": 0.75, "long_scoreboard": 0.25}
+    assert {k["name"] for k in view["rows"][0]["kernels"]} == {"k_baseline", "k_candidate"}
+    assert 'id="ncu-S1-replaced"' in html and 'aria-label="ncu-stalls-S1-replaced"' in html
+    assert 'id="ncu-kernels-S1"' in html and "ncu 2025.3.1.0, 1 profiles" in html
+    assert f"-o {XSS}" not in html

@@ -128,7 +128,11 @@ def _blocks_section(blocks: list[Block], boost: float | None) -> list[dict]:
     out = []
     for b in blocks:
         clocks = [s.get("sm_clock_mhz") for s in (b.gpu_before, b.gpu_after) if s and s.get("sm_clock_mhz")]
-        low = bool(boost and clocks and min(clocks) < LOW_CLOCK_FRACTION * boost)
+        # an idle GPU sits at its idle clock (345 MHz on the H200 before a block starts): only a
+        # snapshot of a busy GPU says anything about the clock the kernels ran at
+        busy = [s.get("sm_clock_mhz") for s in (b.gpu_before, b.gpu_after)
+                if s and s.get("sm_clock_mhz") and "gpu_idle" not in (s.get("throttle_reasons") or [])]
+        low = bool(boost and busy and min(busy) < LOW_CLOCK_FRACTION * boost)
         medians = []  # only a block that finished ok counts as data (a failed one's samples do not)
         for (shape, mode), ms in sorted(b.samples.items()) if b.status == "ok" else ():
             if ms:

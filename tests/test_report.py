@@ -83,6 +83,8 @@ def build_run_dir(tmp_path: Path, impossible_gate: bool = True) -> tuple[object,
         base = {"block": index, "side": side, "attempt": f"a{index}"}
         gpu = {"sm_clock_mhz": 1980 if index != 3 else 1200, "max_sm_clock_mhz": 1980, "temperature_c": 40 + index,
                "throttle_reasons": ["sw_thermal_slowdown"] if index == 3 else []}
+        if index == 1:  # an idle GPU before the block: its idle clock is no low-clock block
+            gpu = {**gpu, "sm_clock_mhz": 345, "throttle_reasons": ["gpu_idle"]}
         append_jsonl(samples, {"type": "block_start", **base, "t": f"2026-01-01T00:0{index}:00+00:00",
                                "host": "testhost", "pid": 100 + index, "gpu": gpu})
         if index == FAILED_BLOCK:

@@ -11,17 +11,28 @@ run_dir/agreement.json with a `gate` for the agreement gate(s).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
 from harness.records import append_jsonl  # noqa: F401  (pins the harness package before any worktree)
 from harness.spec import AgreementGate, LoadedExperiment
 
+DEFAULT_TIMEOUT_S = 3600.0  # one side's worker, all rows: first calls compile and autotune (minutes each)
+STACK_DUMP_S = 300.0
+
 
 def _worker(job: dict) -> int:
+    import faulthandler
+
     import torch
+
+    # every STACK_DUMP_S the worker's Python stacks go to its log: a worker that never returns
+    # (a first call that compiles and autotunes for many minutes, or a hang) shows where it is
+    faulthandler.dump_traceback_later(float(os.environ.get("HARNESS_STACK_DUMP_S", STACK_DUMP_S)), repeat=True)
     from safetensors.torch import save_file
 
     from harness.worker import _DTYPES, Call, _load_inputs, _load_op
@@ -33,12 +44,15 @@ def _worker(job: dict) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape, mode in job["rows"]:
         key = f"{shape['name']}.{mode}"
+        t0 = time.time()
+        print(f"{time.strftime('%H:%M:%S')} {key}: started", flush=True)
         try:
             call = Call(op, make_inputs(shape, mode, _DTYPES[job["dtype"]], device, job["seed"]), mode, job["seed"])
             for i, t in enumerate(call()):
                 out[f"{key}.{i}"] = t.detach().float().cpu().contiguous()
         except Exception as e:  # recorded: the parent makes the gate INCONCLUSIVE for this row
             errors[key] = f"{type(e).__name__}: {e}"
+        print(f"{time.strftime('%H:%M:%S')} {key}: {errors.get(key, 'ok')} in {time.time() - t0:.1f} s", flush=True)
     save_file(out, job["out_path"])
     Path(job["out_path"] + ".errors.json").write_text(json.dumps(errors))
     return 0
@@ -57,6 +71,28 @@ def _compare(base, cand, rtol: float, atol: float) -> dict:
     return {"status": "PASS" if worst <= 1 and nonfinite == 0 else "FAIL", "worst_ratio": worst,
             "max_abs_err": float(diff.max()) if diff.numel() else 0.0,
             "n_bad": int((diff > bound).sum()), "n_nonfinite": nonfinite}
+
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("HARNESS_AGREEMENT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    except ValueError:
+        return DEFAULT_TIMEOUT_S
+
+
+def run_worker(argv: list[str], log_path: Path, env: dict, cwd: Path, timeout: float) -> str | None:
+    """Run one side's worker with its output going to log_path as it is written (a worker that
+    hangs, or a run killed from outside, still leaves its log and stack dumps behind). Returns
+    None on success, else the problem with the log's tail."""
+    with log_path.open("w") as out:
+        try:
+            rc = subprocess.run(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    tail = log_path.read_text(errors="replace")[-1500:]
+    if rc is None:
+        return f"worker timed out after {timeout:.0f} s (HARNESS_AGREEMENT_TIMEOUT); log {log_path}: {tail}"
+    return None if rc == 0 else f"worker exited {rc}: {tail}"
 
 
 def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_root: Path, cpu_mode: bool,
@@ -84,11 +120,10 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
         job_path = work / f"{side}.json"
         job_path.write_text(json.dumps(job, indent=1))
         log(f"agreement: {side} on {len(rows)} rows ({settings.dtype})")
-        proc = subprocess.run([sys.executable, "-m", "harness.agreement", str(job_path)], cwd=work,
-                              env=side_env(loaded, side, profile_root, cpu_mode), capture_output=True, text=True)
-        (work / f"{side}.log").write_text(proc.stdout + proc.stderr)
-        if proc.returncode != 0 or not Path(job["out_path"]).exists():
-            errors[side] = {"*": f"worker exited {proc.returncode}: {proc.stderr[-1500:]}"}
+        problem = run_worker([sys.executable, "-m", "harness.agreement", str(job_path)], work / f"{side}.log",
+                             side_env(loaded, side, profile_root, cpu_mode), work, _timeout())
+        if problem or not Path(job["out_path"]).exists():
+            errors[side] = {"*": problem or "the worker wrote no outputs"}
             outputs[side] = {}
             continue
         outputs[side] = load_file(job["out_path"])

@@ -36,3 +36,20 @@ def test_same_function_agrees_and_a_different_one_fails_naming_the_tensor(temp_r
     [report] = (temp_repo.root / "reports" / "disagree").glob("*/report.json")
     gate = next(g for g in json.loads(report.read_text())["gates"] if g["name"] == "same-function")
     assert gate["status"] == "FAIL"
+
+
+def test_a_hanging_worker_times_out_with_its_log_and_stacks(tmp_path):
+    import sys
+
+    from harness.agreement import run_worker
+
+    code = ("import faulthandler, time; print('first row: started', flush=True); "
+            "faulthandler.dump_traceback_later(0.5, repeat=True); time.sleep(30)")
+    log = tmp_path / "side.log"
+    problem = run_worker([sys.executable, "-c", code], log, {}, tmp_path, timeout=2)
+    assert problem.startswith("worker timed out after 2 s") and "first row: started" in problem
+    text = log.read_text()
+    assert "first row: started" in text and "Thread" in text  # the stack dump reached the log
+    assert run_worker([sys.executable, "-c", "print('ok')"], tmp_path / "ok.log", {}, tmp_path, timeout=30) is None
+    failed = run_worker([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "bad.log", {}, tmp_path, timeout=30)
+    assert failed.startswith("worker exited 3")

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -360,3 +361,30 @@ def test_onchip_dispatch_by_env_uses_no_dAqk_tensor(monkeypatch):
     check(out, oracle(d), 2e-5)
     monkeypatch.setenv("PKDA_DAQK_ONCHIP", "0")
     assert bwd.daqk_schedule("cpu", torch.float32, 64, 128) == "materialised"
+
+
+def test_intra_warps_knob_parses_and_rejects_bad_values():
+    from kernels.pkda.bwd import warps_from_env
+
+    assert warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2), env={}) == (4, 2)
+    assert warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2), env={"PKDA_BWD_INTRA_WARPS": " 8,4 "}) == (8, 4)
+    for bad in ("eight", "8,,4", "3", "8;4", "0"):
+        with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_WARPS=.*comma-separated list of warp counts"):
+            warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2), env={"PKDA_BWD_INTRA_WARPS": bad})
+
+
+def test_intra_warps_knob_reaches_the_kernels_autotune_space():
+    """An env-only candidate: the knob, read at import, sets the intra kernel's configs."""
+    import subprocess
+    import sys
+
+    code = ("from kernels.pkda import bwd; "
+            "print([c.num_warps for c in bwd.pkda_bwd_intra_kernel.configs])")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PKDA_BWD_INTRA_WARPS": "8,4"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[8]"  # the interpreter keeps the first config only
+    env["PKDA_BWD_INTRA_WARPS"] = "3"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "PKDA_BWD_INTRA_WARPS='3'" in out.stderr

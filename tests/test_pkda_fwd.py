@@ -148,12 +148,14 @@ def test_inputs_factory_shape_problem():
     m = _inputs_module()
     assert m.shape_problem({"B": 4, "T": 2048, "H": 16, "D": 128}) is None
     assert m.shape_problem({"B": 1, "T": 64, "H": 2, "K": 64, "V": 128}) is None
-    assert "K=256" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "D": 256})
+    assert m.shape_problem({"B": 8, "T": 2048, "H": 32, "D": 256}) is None  # the registered D256 row
+    assert "K=257" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "D": 257})
     assert m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 32}) is None  # padded
     assert m.shape_problem({"B": 1, "T": 63, "H": 2, "K": 60, "V": 100}) is None
-    assert "V=129" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 129})
-    with pytest.raises(ValueError, match="K=256"):
-        m.make_inputs({"B": 1, "T": 4, "H": 1, "D": 256}, "fwd", torch.float32, "cpu", 0)
+    assert m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 129}) is None  # padded to 256
+    assert "V=300" in m.shape_problem({"B": 8, "T": 2048, "H": 32, "K": 64, "V": 300})
+    with pytest.raises(ValueError, match="K=512"):
+        m.make_inputs({"B": 1, "T": 4, "H": 1, "D": 512}, "fwd", torch.float32, "cpu", 0)
     assert "kernels" not in (ROOT / "experiments/inputs/pkda.py").read_text().split('"""')[-1]
 
 

@@ -76,13 +76,20 @@ def test_head_dims_varlen():
     run_both(d, dict(cu_seqlens=torch.tensor([0, 7, 31, 50], dtype=torch.int32)))
 
 
-def test_head_dims_above_128_refused():
+@pytest.mark.parametrize("B,T,H,K,V", [(1, 20, 1, 256, 256), (1, 24, 1, 200, 160), (1, 18, 1, 129, 64)],
+                         ids=["K256V256", "K200V160", "K129V64"])
+def test_head_dims_up_to_256(B, T, H, K, V):
+    # the kernels' third size: 256 itself, and dims in (128, 256) zero-padded to it
+    run_both(make(B, T, H, K, V, seed=K + V))
+
+
+def test_head_dims_above_256_refused():
     d = make(1, 4, 1, 64, 64, states=False)
-    with pytest.raises(ValueError, match=r"K=200 is not supported .*\[1, 128\]"):
-        chunk_precond_kda(**dict(d, q=torch.zeros(1, 4, 1, 200), k=torch.zeros(1, 4, 1, 200),
-                                 g=torch.zeros(1, 4, 1, 200)))
-    with pytest.raises(ValueError, match=r"V=256 is not supported"):
-        chunk_precond_kda(**dict(d, v=torch.zeros(1, 4, 1, 256)))
+    with pytest.raises(ValueError, match=r"K=300 is not supported .*\[1, 256\]"):
+        chunk_precond_kda(**dict(d, q=torch.zeros(1, 4, 1, 300), k=torch.zeros(1, 4, 1, 300),
+                                 g=torch.zeros(1, 4, 1, 300)))
+    with pytest.raises(ValueError, match=r"V=257 is not supported"):
+        chunk_precond_kda(**dict(d, v=torch.zeros(1, 4, 1, 257)))
 
 
 # ------------------------------------------------------------------ 2. transposed states

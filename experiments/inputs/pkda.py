@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# chunk_precond_kda takes any head dim in [1, MAX_DIM] (non-64/128 ones are zero-padded to
-# the next of 64 / 128 inside the op); the kernels do not take 256.
-MAX_DIM = 128
+# chunk_precond_kda takes any head dim in [1, MAX_DIM] (others than 64/128/256 are zero-padded
+# to the next of them inside the op; 256 since 2026-12-03, commits before that refuse > 128).
+MAX_DIM = 256
 MODES = ("fwd", "fwdbwd")
 # Tensors that receive gradients in mode "fwdbwd" (every differentiable tensor input).
 GRAD_NAMES = ["q", "k", "v", "g", "g_atk", "beta_atk", "beta", "log_atk_scale"]

@@ -1,7 +1,7 @@
 """Triton forward of preconditioned KDA (PKDA): one kernel + one launcher per stage.
 
 Chunk size 64 (16-token sub-chunks inside fwd.intra), FP32 accumulation, bf16 / fp16 / fp32
-inputs, K and V each 64 or 128 (K != V allowed), T of any length, dense and varlen. The
+inputs, K and V each 64, 128 or 256 (K != V allowed), T of any length, dense and varlen. The
 math is the design note's chunk form; `reference.py` holds the same stages in PyTorch.
 
 Stage launchers (stable signatures: the backward calls them to recompute). `layout` is a
@@ -42,7 +42,7 @@ from .ranges import stage_range
 from .reference import CHUNK, SUB, ChunkLayout, make_layout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-SUPPORTED_DIMS = (64, 128)
+SUPPORTED_DIMS = (64, 128, 256)
 GRID_X_MAX = 2 ** 31 - 1
 GRID_YZ_MAX = 65535
 BT = CHUNK

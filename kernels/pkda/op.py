@@ -48,8 +48,7 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
     """Raises ValueError / TypeError naming the offending argument.
     Returns cu_seqlens as a host list (None when dense): the call's only host sync.
     With transpose_state_layout, initial_state is expected as [N,H,V,K]."""
-    B, T, H, K, V = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM,
-                                 "; the kernels hold a K x V state tile on chip and do not take 256")
+    B, T, H, K, V = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM)
 
     if cu_seqlens is not None:
         check_cu_seqlens_meta(cu_seqlens, B)
@@ -137,7 +136,7 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
     """Preconditioned KDA, chunked Triton implementation. See the module docstring.
 
     q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta [B,T,H]; K, V any size in
-    [1, 128] (K != V allowed); initial_state fp32 [N,H,K,V] ([N,H,V,K] with
+    [1, 256] (K != V allowed); initial_state fp32 [N,H,K,V] ([N,H,V,K] with
     transpose_state_layout); initial_A_state [N,H,K] fp32; cu_seqlens [N+1] integer (B must
     be 1); log_atk_scale [H] tensor (or a float, or None for -0.2).
     Returns (o [B,T,H,V] in v.dtype, final_state fp32 | None (same layout as initial_state),
@@ -163,8 +162,8 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
       cp_context, return_intermediate_states=True  not supported (NotImplementedError).
 
     Done in PyTorch around the kernels (autograd differentiates through it):
-      * K or V not in {64, 128}: q, k, g (and the K side of the states) are zero-padded to the
-        next of 64 / 128, v (and the V side) likewise, and the outputs sliced back. This is
+      * K or V not in {64, 128, 256}: q, k, g (and the K side of the states) are zero-padded to
+        the next of 64 / 128 / 256, v (and the V side) likewise, and the outputs sliced back. This is
         exact: a zero channel of k adds nothing to |k|^2 (l2norm unchanged), keeps its ATK
         moment a at 0 (a_0 padded with 0), so p = k*m is 0 there whatever m is; with S_0's padded
         rows 0, those rows of S stay 0 (decay times 0 plus p*delta = 0) and contribute nothing

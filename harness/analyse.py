@@ -346,8 +346,15 @@ def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state
     return None
 
 
-def _provenance(run: dict, run_dir: Path) -> dict:
-    revs = run.get("revisions") or {}
+def _provenance(run: dict, run_dir: Path, exp=None) -> dict:
+    revs = dict(run.get("revisions") or {})
+    for side in ("baseline", "candidate"):
+        # runs recorded before sides carried their env: take it from the experiment file the report
+        # is rendered with (report.experiment.matches_run says whether that is the run's own);
+        # an A/A run ran the baseline's env on both sides
+        if isinstance(revs.get(side), dict) and "env" not in revs[side] and exp is not None:
+            declared = "baseline" if run.get("aa") else side
+            revs[side] = {**revs[side], "env": dict(getattr(exp, declared).env)}
     versions = run.get("versions") or {}
     device = run.get("device") or {}
     # BENCH_BASE is the freeze's fixture commit (verify.json), never the harness's own SHA
@@ -423,7 +430,7 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
         "blocks": _blocks_section(blocks, _boost_mhz(run, blocks)),
         "failures": ev.failures,
         "phases": {**phase_records, "attempts": attempts, "experiment_state": state or None},
-        "provenance": _provenance(run, run_dir),
+        "provenance": _provenance(run, run_dir, exp),
     }
     return _clean(report)
 

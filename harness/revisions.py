@@ -8,7 +8,7 @@ run is detected by comparing the branch tip with the SHA recorded at resolution.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import git
@@ -31,6 +31,8 @@ class ResolvedSide:
     kind: str = "git"  # git | package
     package: str | None = None  # distribution name of a package side
     version: str | None = None  # the exact version a package side must have at block start
+    env: dict[str, str] = field(default_factory=dict)  # the side's declared environment (an env-only
+    # candidate differs from its baseline in nothing else: the report must show it)
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def _package_side(side: str, rev) -> ResolvedSide:
     pkg = rev.package
     return ResolvedSide(side=side, ref=f"{pkg.name}=={pkg.version}", sha="", branch=None, worktree="",
                         subject=f"installed package {pkg.name}=={pkg.version}", kind="package",
-                        package=pkg.name, version=pkg.version)
+                        package=pkg.name, version=pkg.version, env=dict(rev.env))
 
 
 def resolve(loaded: LoadedExperiment, profile_root: Path) -> Revisions:
@@ -106,7 +108,7 @@ def resolve(loaded: LoadedExperiment, profile_root: Path) -> Revisions:
         wt = (profile_root / exp.name / "worktrees" / side).resolve()
         _ensure_worktree(repo, wt, sha)
         sides[side] = ResolvedSide(side=side, ref=declared.ref, sha=sha, branch=branch if side == "candidate" else None,
-                                   worktree=str(wt), subject=repo.commit(sha).summary)
+                                   worktree=str(wt), subject=repo.commit(sha).summary, env=dict(declared.env))
     return Revisions(repo=str(loaded.target_repo), baseline=sides["baseline"], candidate=sides["candidate"])
 
 

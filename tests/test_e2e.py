@@ -171,3 +171,23 @@ def test_failed_pregate_stops_measuring_unless_measure_anyway(temp_repo, monkeyp
     else:
         assert calls == {"blocks": True, "ncu": True}
         assert manifest["measure_anyway"]["reason"] == flag and "1.003x" in manifest["measure_anyway"]["pregate"]
+
+
+def test_env_only_candidate_runs_with_its_env_and_the_report_shows_it(temp_repo):
+    """Same commit on both sides, the candidate with a declared env: the env reaches the
+    candidate's blocks (it does an eighth of the work) and the report names it."""
+    op = ("import os\nimport torch\n\nWORK = int(os.environ.get('OP_WORK', '8'))\n\n\n"
+          "def op(x, w):\n    y = x\n    for _ in range(WORK):\n        y = torch.tanh(y @ w)\n    return y\n")
+    sha = temp_repo.commit_op(work=8, message="op rounds from OP_WORK", extra={"op.py": op})
+    temp_repo.baseline_sha = sha
+    exp = temp_repo.experiment("envonly", sha, SPEEDUP_GATE)
+    exp.write_text(exp.read_text().replace(f"candidate:\n  ref: {sha}\n",
+                                           f"candidate:\n  ref: {sha}\n  env: {{OP_WORK: '1'}}\n"))
+    res = run_exp(temp_repo, exp)
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    report, html = only_report(temp_repo, "envonly")
+    prov = report["provenance"]
+    assert prov["baseline"]["sha"] == prov["candidate"]["sha"] == sha
+    assert prov["baseline"]["env"] == {} and prov["candidate"]["env"] == {"OP_WORK": "1"}
+    assert report["rows"][0]["speedup"]["point"] > 1.5  # 8 rounds against 1
+    assert 'id="env-candidate"><code>OP_WORK=1</code>' in html and 'id="env-baseline">none declared' in html

@@ -312,3 +312,17 @@ def test_phase_records_reach_gates_and_sections(tmp_path):
     assert 'id="ncu-S1-replaced"' in html and 'aria-label="ncu-stalls-S1-replaced"' in html
     assert 'id="ncu-kernels-S1"' in html and "ncu 2025.3.1.0, 1 profiles" in html
     assert f"-o {XSS}" not in html
+
+
+def test_provenance_env_of_runs_recorded_before_sides_carried_it(tmp_path):
+    from types import SimpleNamespace
+
+    exp = SimpleNamespace(baseline=SimpleNamespace(env={}), candidate=SimpleNamespace(env={"KNOB": "1"}))
+    side = {"sha": "a" * 40, "ref": "a" * 40}
+    run = {"revisions": {"repo": "/r", "baseline": dict(side), "candidate": dict(side)}}
+    prov = analyse._provenance(run, tmp_path, exp)
+    assert prov["baseline"]["env"] == {} and prov["candidate"]["env"] == {"KNOB": "1"}
+    prov = analyse._provenance({**run, "aa": True}, tmp_path, exp)  # an A/A run ran the baseline twice
+    assert prov["candidate"]["env"] == {}
+    recorded = {"revisions": {"repo": "/r", "baseline": dict(side), "candidate": {**side, "env": {"KNOB": "2"}}}}
+    assert analyse._provenance(recorded, tmp_path, exp)["candidate"]["env"] == {"KNOB": "2"}  # the record wins

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from harness.records import append_jsonl  # noqa: F401  (pins the harness package before any worktree)
+from harness.records import append_jsonl, declared_side  # noqa: F401  (append_jsonl pins the harness package before any worktree)
 from harness.spec import AgreementGate, LoadedExperiment
 
 DEFAULT_TIMEOUT_S = 3600.0  # one side's worker, all rows: first calls compile and autotune (minutes each)
@@ -112,7 +112,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
     rows = [(shapes[r].model_dump(exclude_none=True), m) for r, m in wanted if r in shapes]
     outputs, errors = {}, {}
     for side in ("baseline", "candidate"):
-        declared = getattr(exp, side)
+        declared = getattr(exp, declared_side(run_dir, side))
         job = {"rows": rows, "dtype": settings.dtype, "seed": exp.seed, "worktree": getattr(revisions, side).worktree,
                "op": declared.op or exp.target.op, "package": declared.package.model_dump() if declared.is_package else None,
                "inputs_file": str(loaded.inputs_file), "inputs_fn": exp.target.inputs.split(":")[1],
@@ -121,7 +121,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
         job_path.write_text(json.dumps(job, indent=1))
         log(f"agreement: {side} on {len(rows)} rows ({settings.dtype})")
         problem = run_worker([sys.executable, "-m", "harness.agreement", str(job_path)], work / f"{side}.log",
-                             side_env(loaded, side, profile_root, cpu_mode), work, _timeout())
+                             side_env(loaded, declared_side(run_dir, side), profile_root, cpu_mode), work, _timeout())
         if problem or not Path(job["out_path"]).exists():
             errors[side] = {"*": problem or "the worker wrote no outputs"}
             outputs[side] = {}

@@ -779,6 +779,7 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
     in ncu/<side>-<row>.json as soon as it is parsed: a run resumed after a crash (or a device call
     that ran out of time) profiles only what is missing."""
     from harness.bench import side_env
+    from harness.records import declared_side
 
     exp = loaded.exp
     run_dir = Path(run_dir)
@@ -814,7 +815,7 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
         side_rec = {"sha": rs.sha, "ref": rs.ref, "stage_patterns": patterns,
                     "kernel_filter": kernel_regex(p for ps in patterns.values() for p in ps), "rows": {}}
         record["sides"][side] = side_rec
-        env = side_env(loaded, side, profile_root, cpu_mode=False)
+        env = side_env(loaded, declared_side(run_dir, side), profile_root, cpu_mode=False)
         for row in exp.ncu.rows:
             shape = exp.shape(row)
             stem = out_dir / f"{side}-{row}"

@@ -135,3 +135,14 @@ def completed_blocks(samples_path: Path) -> list[Block]:
         if b.complete and b.index not in done:
             done[b.index] = b
     return [done[i] for i in sorted(done)]
+
+
+def declared_side(run_dir: Path, side: str) -> str:
+    """Whose declaration (env, op, package) a phase runs `side` with: its own, or the baseline's on
+    both sides of an A/A run (`harness run --aa`: run.json "aa"), which measures the baseline
+    against itself."""
+    try:
+        aa = bool(json.loads((Path(run_dir) / "run.json").read_text()).get("aa"))
+    except (OSError, ValueError):
+        aa = False
+    return "baseline" if aa else side

@@ -53,3 +53,13 @@ def test_a_hanging_worker_times_out_with_its_log_and_stacks(tmp_path):
     assert run_worker([sys.executable, "-c", "print('ok')"], tmp_path / "ok.log", {}, tmp_path, timeout=30) is None
     failed = run_worker([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "bad.log", {}, tmp_path, timeout=30)
     assert failed.startswith("worker exited 3")
+
+
+def test_declared_side_follows_the_run_record(tmp_path):
+    from harness.records import declared_side
+
+    assert declared_side(tmp_path, "candidate") == "candidate"  # no run.json yet: its own
+    (tmp_path / "run.json").write_text(json.dumps({"aa": False}))
+    assert declared_side(tmp_path, "candidate") == "candidate"
+    (tmp_path / "run.json").write_text(json.dumps({"aa": True}))
+    assert declared_side(tmp_path, "candidate") == "baseline" and declared_side(tmp_path, "baseline") == "baseline"

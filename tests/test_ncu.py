@@ -603,3 +603,21 @@ def test_dram_rate_derived_when_the_stored_report_lacks_it():
     la = full_launch("k", 4896, drop=("dram__bytes_read.sum.per_second", "dram__bytes_read.sum"))
     rec = ncu.kernel_metrics({"full": [la]})["k"]
     assert rec["metrics"]["dram_read_bytes_per_s"] is None and "dram_read_bytes_per_s" in rec["missing"]
+
+
+@pytest.mark.parametrize("aa", [False, True])
+def test_each_side_is_profiled_with_its_declared_env_and_an_aa_run_with_the_baselines(tmp_path, monkeypatch, aa):
+    fake = _fake_ncu(tmp_path, 'if [ "$1" = --version ]; then echo "Version 2025.3.1.0"; exit 0; fi\n'
+                               'for a in "$@"; do case "$a" in *-full) echo "$(basename "$a") KNOB=${KNOB:-unset}" '
+                               '>> "$(dirname "$0")/env.log";; esac; done\n')
+    monkeypatch.setenv("HARNESS_NCU", fake)
+    monkeypatch.delenv("KNOB", raising=False)
+    data = make_exp().model_dump(exclude_none=True)
+    data["candidate"]["env"] = {"KNOB": "cand"}
+    exp = Experiment.model_validate(data)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"aa": aa}))
+    ncu.ncu_run(_loaded(tmp_path, exp), _revisions(tmp_path), run_dir, tmp_path / "profile", log=lambda s: None)
+    lines = sorted((tmp_path / "env.log").read_text().split("\n"))[1:]
+    assert lines == ["baseline-small-full KNOB=unset", f"candidate-small-full KNOB={'unset' if aa else 'cand'}"]

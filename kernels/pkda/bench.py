@@ -8,7 +8,7 @@ Rows are the design note's registered shapes, bf16, inputs from experiments/inpu
 wall time (triton.testing.do_bench) of ours and of fla-core (if importable), the ratio
 fla/ours (> 1: ours faster), our per-stage share of device kernel time (torch.profiler),
 and a bf16 cross-check of o and every gradient against fla-core (relative L2 error).
-Rows our op refuses (K=256) or that run out of memory are reported and skipped.
+Rows our op refuses or that run out of memory are reported and skipped.
 """
 from __future__ import annotations
 

@@ -187,6 +187,7 @@ def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, seed: i
                 sb, sc = stats.summarize(_flat(pair[0])), stats.summarize(_flat(pair[1]))
                 stages.append({"stage": st, "baseline": sb.to_json(), "candidate": sc.to_json(),
                                "speedup": stats.paired_block_speedup(pair[0], pair[1], seed=seed).to_json()})
+            kernels = {side: _kernel_table(blocks, (shape.name, mode), side) for side in ("baseline", "candidate")}
             rows.append({
                 "shape": shape.name, "mode": mode, "name": _row_name(shape.name, mode), "dims": r.shape_dims,
                 "baseline": stats.summarize(base).to_json(), "candidate": stats.summarize(cand).to_json(),
@@ -197,10 +198,22 @@ def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, seed: i
                 "peak_bytes": {"baseline": r.base_peak, "candidate": r.cand_peak, "delta": delta,
                                "delta_fraction": delta / r.base_peak if delta is not None and r.base_peak else None},
                 "stages": stages,
-                "kernels": {side: _kernel_table(blocks, (shape.name, mode), side) for side in ("baseline", "candidate")},
+                "kernels": kernels,
+                "device_ms": _device_ms(kernels),
                 "failures": r.failures,
             })
     return rows
+
+
+def _device_ms(kernels: dict[str, list[dict]]) -> dict | None:
+    """Summed device time per call on each side (every profiled kernel and copy) and the
+    baseline/candidate ratio: where the wall-clock speedup and this ratio disagree, the difference
+    is host-side (launch overhead, Python, allocation), not the kernels."""
+    sums = {side: sum(k["ms_per_call"] for k in rows) if rows else None for side, rows in kernels.items()}
+    if sums.get("baseline") is None and sums.get("candidate") is None:
+        return None
+    b, c = sums.get("baseline"), sums.get("candidate")
+    return {"baseline": b, "candidate": c, "ratio": b / c if b and c else None}
 
 
 def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evidence, seed: int) -> list[dict]:

@@ -157,6 +157,11 @@ def test_report_json_numbers(built):
                                 "delta_fraction": pytest.approx(-0.004096)}
     assert s1["stages"][0]["stage"] == "bwd.intra" and s1["stages"][0]["speedup"]["point"] == pytest.approx(2.0, rel=0.05)
     assert s1["kernels"]["baseline"][0]["kernel"] == KERNEL
+    # device time per call: the profiled kernels' sum on each side (their means over the profiled
+    # calls: each block records 0.6 + 0.4 of its mean over 2 iterations), and its ratio
+    dv = s1["device_ms"]
+    assert dv["baseline"] == pytest.approx(sum(k["ms_per_call"] for k in s1["kernels"]["baseline"]))
+    assert dv["ratio"] == pytest.approx(dv["baseline"] / dv["candidate"]) and 1.8 < dv["ratio"] < 2.2
     assert 0 <= s1["mann_whitney_p"] < 0.01
     # the gate judged the very interval the row shows
     assert _gate(data, "s1-speedup")["numbers"]["lo"] == s1["speedup"]["lo"]

@@ -816,10 +816,13 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
                     "kernel_filter": kernel_regex(p for ps in patterns.values() for p in ps), "rows": {}}
         record["sides"][side] = side_rec
         env = side_env(loaded, declared_side(run_dir, side), profile_root, cpu_mode=False)
+        declared = getattr(exp, declared_side(run_dir, side))
+        package = {"name": rs.package, "version": rs.version} if rs.kind == "package" else None
         for row in exp.ncu.rows:
             shape = exp.shape(row)
             stem = out_dir / f"{side}-{row}"
-            job = {"worktree": rs.worktree, "op": exp.target.op, "inputs_file": str(loaded.inputs_file),
+            job = {"worktree": rs.worktree, "op": declared.op or exp.target.op, "package": package,
+                   "inputs_file": str(loaded.inputs_file),
                    "inputs_fn": inputs_fn, "shape": shape.model_dump(exclude_none=True), "mode": mode,
                    "dtype": exp.dtype, "seed": exp.seed, "warmup": exp.warmup,
                    "result_path": str(out_dir / f"{side}-{row}-target.json")}

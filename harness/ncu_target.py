@@ -64,7 +64,7 @@ def run(job: dict) -> int:
     t0 = time.perf_counter()
     try:
         make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
-        op = _load_op(job["worktree"], job["op"])
+        op = _load_op(job["worktree"], job["op"], job.get("package"))  # a package side: as installed
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":
             result["device"] = {"name": torch.cuda.get_device_name(0),

@@ -621,3 +621,21 @@ def test_each_side_is_profiled_with_its_declared_env_and_an_aa_run_with_the_base
     ncu.ncu_run(_loaded(tmp_path, exp), _revisions(tmp_path), run_dir, tmp_path / "profile", log=lambda s: None)
     lines = sorted((tmp_path / "env.log").read_text().split("\n"))[1:]
     assert lines == ["baseline-small-full KNOB=unset", f"candidate-small-full KNOB={'unset' if aa else 'cand'}"]
+
+
+def test_a_package_side_is_profiled_as_installed_with_its_own_op(tmp_path, monkeypatch):
+    fake = _fake_ncu(tmp_path, 'if [ "$1" = --version ]; then echo "Version 2025.3.1.0"; exit 0; fi\n')
+    monkeypatch.setenv("HARNESS_NCU", fake)
+    data = make_exp().model_dump(exclude_none=True)
+    data["baseline"] = {"package": {"name": "fla-core", "version": "0.6.0"}, "op": "fla.ops.precond_kda:chunk_precond_kda"}
+    exp = Experiment.model_validate(data)
+    revs = _revisions(tmp_path)
+    revs = Revisions(repo=revs.repo, candidate=revs.candidate, baseline=ResolvedSide(
+        side="baseline", ref="fla-core==0.6.0", sha="", branch=None, worktree="", subject="installed",
+        kind="package", package="fla-core", version="0.6.0"))
+    ncu.ncu_run(_loaded(tmp_path, exp), revs, tmp_path / "run", tmp_path / "profile", log=lambda s: None)
+    base = json.loads((tmp_path / "run" / "ncu" / "baseline-small-job.json").read_text())
+    cand = json.loads((tmp_path / "run" / "ncu" / "candidate-small-job.json").read_text())
+    assert base["package"] == {"name": "fla-core", "version": "0.6.0"}
+    assert base["op"] == "fla.ops.precond_kda:chunk_precond_kda" and base["worktree"] == ""
+    assert cand["package"] is None and cand["op"] == "op:op"

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from harness.records import append_jsonl, declared_side  # noqa: F401  (append_jsonl pins the harness package before any worktree)
+from harness.records import append_jsonl, declared_side, run_is_aa  # noqa: F401  (append_jsonl pins the harness package before any worktree)
 from harness.spec import AgreementGate, LoadedExperiment
 
 DEFAULT_TIMEOUT_S = 3600.0  # one side's worker, all rows: first calls compile and autotune (minutes each)
@@ -99,7 +99,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
                   log: Callable[[str], None] = print) -> dict:
     from safetensors.torch import load_file
 
-    from harness.bench import BenchSettings, side_env
+    from harness.bench import BenchSettings, side_env, side_op
 
     exp = loaded.exp
     gates = [g for g in exp.gates if isinstance(g, AgreementGate)]
@@ -111,17 +111,18 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
     missing = sorted({r for r, _ in wanted if r not in shapes})
     rows = [(shapes[r].model_dump(exclude_none=True), m) for r, m in wanted if r in shapes]
     outputs, errors = {}, {}
+    aa = run_is_aa(run_dir)
     for side in ("baseline", "candidate"):
-        declared = getattr(exp, declared_side(run_dir, side))
+        declared = declared_side(side, aa)
         job = {"rows": rows, "dtype": settings.dtype, "seed": exp.seed, "worktree": getattr(revisions, side).worktree,
-               "op": declared.op or exp.target.op, "package": declared.package.model_dump() if declared.is_package else None,
+               **side_op(exp, declared),
                "inputs_file": str(loaded.inputs_file), "inputs_fn": exp.target.inputs.split(":")[1],
                "out_path": str((work / f"{side}.safetensors").resolve())}
         job_path = work / f"{side}.json"
         job_path.write_text(json.dumps(job, indent=1))
         log(f"agreement: {side} on {len(rows)} rows ({settings.dtype})")
         problem = run_worker([sys.executable, "-m", "harness.agreement", str(job_path)], work / f"{side}.log",
-                             side_env(loaded, declared_side(run_dir, side), profile_root, cpu_mode), work, _timeout())
+                             side_env(loaded, declared, profile_root, cpu_mode), work, _timeout())
         if problem or not Path(job["out_path"]).exists():
             errors[side] = {"*": problem or "the worker wrote no outputs"}
             outputs[side] = {}

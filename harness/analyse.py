@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import gates as G
 from harness import stats
 from harness.profile import pregate_terminal
-from harness.records import Block, completed_blocks, read_jsonl
+from harness.records import Block, completed_blocks, declared_side, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
 SCHEMA_VERSION = 1
@@ -366,8 +366,7 @@ def _provenance(run: dict, run_dir: Path, exp=None) -> dict:
         # is rendered with (report.experiment.matches_run says whether that is the run's own);
         # an A/A run ran the baseline's env on both sides
         if isinstance(revs.get(side), dict) and "env" not in revs[side] and exp is not None:
-            declared = "baseline" if run.get("aa") else side
-            revs[side] = {**revs[side], "env": dict(getattr(exp, declared).env)}
+            revs[side] = {**revs[side], "env": dict(getattr(exp, declared_side(side, bool(run.get("aa")))).env)}
     versions = run.get("versions") or {}
     device = run.get("device") or {}
     # BENCH_BASE is the freeze's fixture commit (verify.json), never the harness's own SHA

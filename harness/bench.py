@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness.progress import Progress, as_progress
-from harness.records import Block, append_jsonl, completed_blocks, load_blocks
+from harness.records import Block, append_jsonl, completed_blocks, declared_side, load_blocks
 from harness.revisions import Revisions, check_unmoved
 from harness.spec import SIDES, LoadedExperiment, Shape, TrainingRow
 
@@ -83,6 +83,14 @@ def training_job_row(loaded: LoadedExperiment, row: TrainingRow) -> dict:
 
 def triton_cache_dir(loaded: LoadedExperiment, profile_root: Path) -> Path:
     return (Path(profile_root) / loaded.exp.name / "triton-cache").resolve()
+
+
+def side_op(exp, side: str) -> dict:
+    """What a worker imports for `side` (its declaration): {"op": "module:function", "package":
+    {"name", "version"} for an installed package, else None (the op comes from the worktree)}."""
+    declared = getattr(exp, side)
+    return {"op": declared.op or exp.target.op,
+            "package": declared.package.model_dump() if declared.is_package else None}
 
 
 def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
@@ -173,12 +181,11 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         if index in done:
             continue
         check_unmoved(revisions)
-        declared = "baseline" if settings.aa else side  # whose ref, op and env this block runs
+        declared = declared_side(side, settings.aa)  # whose op and env this block runs
         attempt = uuid.uuid4().hex[:12]
         job = {
             "samples_path": str(samples_path.resolve()), "block": index, "side": side, "attempt": attempt,
-            "worktree": getattr(revisions, side).worktree, "op": getattr(exp, declared).op or exp.target.op,
-            "package": getattr(exp, declared).package.model_dump() if getattr(exp, declared).is_package else None,
+            "worktree": getattr(revisions, side).worktree, **side_op(exp, declared),
             "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn,
             "shapes": [s.model_dump(exclude_none=True) for s in settings.shapes], "modes": list(exp.modes),
             "dtype": settings.dtype, "seed": exp.seed, "samples": settings.samples_per_block,

@@ -778,8 +778,8 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
     profile: those end in the record's gate as INCONCLUSIVE with the reason. Each (side, row) is kept
     in ncu/<side>-<row>.json as soon as it is parsed: a run resumed after a crash (or a device call
     that ran out of time) profiles only what is missing."""
-    from harness.bench import side_env
-    from harness.records import declared_side
+    from harness.bench import side_env, side_op
+    from harness.records import declared_side, run_is_aa
 
     exp = loaded.exp
     run_dir = Path(run_dir)
@@ -809,20 +809,19 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
     timeout = _timeout()
     extra = _extra_metrics()
     _, inputs_fn = exp.target.inputs.split(":")
+    aa = run_is_aa(run_dir)
     for side in ("baseline", "candidate"):
         rs = getattr(revisions, side)
         patterns = {s: list(getattr(exp.stages[s], side)) for s in exp.ncu.stages}
         side_rec = {"sha": rs.sha, "ref": rs.ref, "stage_patterns": patterns,
                     "kernel_filter": kernel_regex(p for ps in patterns.values() for p in ps), "rows": {}}
         record["sides"][side] = side_rec
-        env = side_env(loaded, declared_side(run_dir, side), profile_root, cpu_mode=False)
-        declared = getattr(exp, declared_side(run_dir, side))
-        package = {"name": rs.package, "version": rs.version} if rs.kind == "package" else None
+        declared = declared_side(side, aa)
+        env = side_env(loaded, declared, profile_root, cpu_mode=False)
         for row in exp.ncu.rows:
             shape = exp.shape(row)
             stem = out_dir / f"{side}-{row}"
-            job = {"worktree": rs.worktree, "op": declared.op or exp.target.op, "package": package,
-                   "inputs_file": str(loaded.inputs_file),
+            job = {"worktree": rs.worktree, **side_op(exp, declared), "inputs_file": str(loaded.inputs_file),
                    "inputs_fn": inputs_fn, "shape": shape.model_dump(exclude_none=True), "mode": mode,
                    "dtype": exp.dtype, "seed": exp.seed, "warmup": exp.warmup,
                    "result_path": str(out_dir / f"{side}-{row}-target.json")}

@@ -137,12 +137,15 @@ def completed_blocks(samples_path: Path) -> list[Block]:
     return [done[i] for i in sorted(done)]
 
 
-def declared_side(run_dir: Path, side: str) -> str:
-    """Whose declaration (env, op, package) a phase runs `side` with: its own, or the baseline's on
-    both sides of an A/A run (`harness run --aa`: run.json "aa"), which measures the baseline
-    against itself."""
+def run_is_aa(run_dir: Path) -> bool:
+    """Whether the run in run_dir is an A/A run (`harness run --aa`: run.json "aa")."""
     try:
-        aa = bool(json.loads((Path(run_dir) / "run.json").read_text()).get("aa"))
+        return bool(json.loads((Path(run_dir) / "run.json").read_text()).get("aa"))
     except (OSError, ValueError):
-        aa = False
+        return False
+
+
+def declared_side(side: str, aa: bool) -> str:
+    """Whose declaration (env, op, package) a phase runs `side` with: its own, or the baseline's on
+    both sides of an A/A run, which measures the baseline against itself."""
     return "baseline" if aa else side

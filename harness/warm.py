@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.bench import HARNESS_ROOT, side_env, training_job_row, triton_cache_dir
+from harness.bench import HARNESS_ROOT, side_env, side_op, training_job_row, triton_cache_dir
 from harness.spec import LoadedExperiment
 
 
@@ -48,9 +48,9 @@ def warm_jobs(loaded: LoadedExperiment, sides: list, fixtures: bool = True) -> l
     combos = unique
     jobs = []
     for rs in sides:
-        package = {"name": rs.package, "version": rs.version} if rs.kind == "package" else None
+        call = side_op(exp, rs.side)  # an installed package's side: its own op, as installed
         for shape, dtype in combos:
-            jobs.append({"side": rs.side, "worktree": rs.worktree, "package": package, "op": exp.target.op,
+            jobs.append({"side": rs.side, "worktree": rs.worktree, **call,
                          "shape": shape, "dtype": dtype,
                          "inputs_file": str(loaded.inputs_file), "inputs_fn": exp.target.inputs.split(":")[1],
                          "seed": exp.seed})
@@ -58,7 +58,7 @@ def warm_jobs(loaded: LoadedExperiment, sides: list, fixtures: bool = True) -> l
         # arguments): one untimed step each compiles what they need
         for t in exp.training:
             row = {**training_job_row(loaded, t), "warmup_steps": 1, "steps": 1}
-            jobs.append({"side": rs.side, "worktree": rs.worktree, "package": package, "op": exp.target.op,
+            jobs.append({"side": rs.side, "worktree": rs.worktree, **call,
                          "shape": {"name": t.name}, "dtype": t.dtype, "training": [row]})
     return jobs
 

@@ -56,10 +56,11 @@ def test_a_hanging_worker_times_out_with_its_log_and_stacks(tmp_path):
 
 
 def test_declared_side_follows_the_run_record(tmp_path):
-    from harness.records import declared_side
+    from harness.records import declared_side, run_is_aa
 
-    assert declared_side(tmp_path, "candidate") == "candidate"  # no run.json yet: its own
+    assert not run_is_aa(tmp_path)  # no run.json yet: each side its own
     (tmp_path / "run.json").write_text(json.dumps({"aa": False}))
-    assert declared_side(tmp_path, "candidate") == "candidate"
+    assert not run_is_aa(tmp_path) and declared_side("candidate", False) == "candidate"
     (tmp_path / "run.json").write_text(json.dumps({"aa": True}))
-    assert declared_side(tmp_path, "candidate") == "baseline" and declared_side(tmp_path, "baseline") == "baseline"
+    assert run_is_aa(tmp_path)
+    assert declared_side("candidate", True) == "baseline" and declared_side("baseline", True) == "baseline"

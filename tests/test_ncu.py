@@ -322,8 +322,9 @@ def test_failed_profile_is_inconclusive_with_reason(tmp_path, monkeypatch):
     assert row["status"] == "failed"
 
 
-def test_phase_end_to_end_with_stand_in_reports(tmp_path, monkeypatch):
-    # A stand-in ncu writes an empty report where -o points; the reader is replaced by synthetic launches.
+def _stand_in_ncu(tmp_path, monkeypatch) -> None:
+    """A stand-in ncu that logs its argv to argv.log and writes an empty report where -o points;
+    the reader is replaced by synthetic launches (baseline_passes / candidate_passes)."""
     fake = _fake_ncu(tmp_path, 'if [ "$1" = --version ]; then echo "Version 2025.3.1.0"; exit 0; fi\n'
                                'echo "$@" >> "$(dirname "$0")/argv.log"\n'
                                'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then touch "$2.ncu-rep"; fi; shift; done\n')
@@ -335,6 +336,10 @@ def test_phase_end_to_end_with_stand_in_reports(tmp_path, monkeypatch):
         return passes["full" if "-full" in name else "source"], "synthetic"
 
     monkeypatch.setattr(ncu, "read_report", reader)
+
+
+def test_phase_end_to_end_with_stand_in_reports(tmp_path, monkeypatch):
+    _stand_in_ncu(tmp_path, monkeypatch)
     rec = ncu.ncu_run(_loaded(tmp_path), _revisions(tmp_path), tmp_path / "run", tmp_path / "profile", log=lambda s: None)
     assert rec["error"] is None
     assert rec["gate"]["status"] == "PASS", rec["gate"]
@@ -359,17 +364,7 @@ def test_phase_end_to_end_with_stand_in_reports(tmp_path, monkeypatch):
 
 
 def test_resumed_phase_profiles_only_the_missing_side_rows(tmp_path, monkeypatch):
-    fake = _fake_ncu(tmp_path, 'if [ "$1" = --version ]; then echo "Version 2025.3.1.0"; exit 0; fi\n'
-                               'echo "$@" >> "$(dirname "$0")/argv.log"\n'
-                               'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then touch "$2.ncu-rep"; fi; shift; done\n')
-    monkeypatch.setenv("HARNESS_NCU", fake)
-
-    def reader(path, ncu_bin=None, timeout=600):
-        name = Path(path).name
-        passes = baseline_passes() if name.startswith("baseline") else candidate_passes()
-        return passes["full" if "-full" in name else "source"], "synthetic"
-
-    monkeypatch.setattr(ncu, "read_report", reader)
+    _stand_in_ncu(tmp_path, monkeypatch)
     first = ncu.ncu_run(_loaded(tmp_path), _revisions(tmp_path), tmp_path / "run", tmp_path / "profile", log=lambda s: None)
     # the run died before ncu.json: the candidate's row is lost, the baseline's parsed row stays
     (tmp_path / "run" / "ncu.json").unlink()

@@ -40,3 +40,14 @@ def test_no_fixtures_leaves_out_fixture_cases():
     loaded = load_experiment(ROOT / "experiments" / "pkda-dAqk.yaml")
     names = {j["shape"]["name"] for j in warm_jobs(loaded, _sides(), fixtures=False)}
     assert not names & {"dense_K64_V128", "varlen_K128_V64"}
+
+
+def test_an_installed_package_side_warms_its_own_op():
+    """pkda-vs-fla: the fla-core side must compile (and tune) fla's kernels, not the target op."""
+    loaded = load_experiment(ROOT / "experiments" / "pkda-vs-fla-2rows.yaml")
+    jobs = warm_jobs(loaded, _sides())
+    base = {j["op"] for j in jobs if j["side"] == "baseline"}
+    cand = {j["op"] for j in jobs if j["side"] == "candidate"}
+    assert base == {"fla.ops.precond_kda:chunk_precond_kda"} and cand == {"kernels.pkda:chunk_precond_kda"}
+    assert all(j["package"] == {"name": "fla-core", "version": "0.6.0"} for j in jobs if j["side"] == "baseline")
+    assert all(j["package"] is None for j in jobs if j["side"] == "candidate")

@@ -302,6 +302,35 @@ def test_grids_keep_y_z_small_for_many_sequences_x_heads():
         F_.grid_o(2 ** 30, 4, 128, 64)
 
 
+def test_stage_wu_from_kept_tinv(stages):
+    """fwd_wu rebuilds fwd.intra's W and U from its Tinv (the backward's recompute when the
+    forward kept Aqk and Tinv): K != V, a partial last chunk."""
+    d, lay, kn = stages["d"], stages["lay"], stages["kn"]
+    ra = stages["ref_atk"]
+    _, Tinv, W, U, _ = stages["intra"]
+    W2, U2 = F_.fwd_wu(kn, d["v"], ra["G"], d["beta"], Tinv, lay)
+    assert W2.shape == W.shape and U2.shape == U.shape
+    assert rel(W2, W) < 1e-6 and rel(U2, U) < 1e-6
+    r = stages["ref_intra"]
+    assert rel(W2, r["W"]) < 1e-5 and rel(U2, r["U"]) < 1e-5
+
+
+def test_stage_wu_varlen_and_grid():
+    """Varlen with an empty and a partial sequence; the grid is 1-D whatever N x H."""
+    B, T, H, K, V = 1, 150, 2, 128, 64
+    cu = torch.tensor([0, 37, 37, 150])
+    d = make(B, T, H, K, V, seed=11)
+    lay = R.make_layout(B, T, cu, "cpu")
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    Aqk, Tinv, W, U, _ = F_.fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.1, lay)
+    W2, U2 = F_.fwd_wu(kn, d["v"], ra["G"], d["beta"], Tinv, lay)
+    assert rel(W2, W) < 1e-6 and rel(U2, U) < 1e-6
+    assert F_.grid_wu(10 ** 6, 64, 128, 256, 64) == (10 ** 6 * 64 * 6, 1, 1)
+    with pytest.raises(ValueError, match="exceeds CUDA limits"):
+        F_.grid_wu(2 ** 28, 4, 128, 128, 64)
+
+
 def test_stage_intra_strong_gates_exact_path():
     """Gates strong enough that the diagonal blocks' middle-reference bound is exceeded:
     the kernel falls back to the exact element-wise path; still matches the reference."""

@@ -25,7 +25,8 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
     saved           optional dict from the forward. If it holds every tensor of
                     RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta in the forward's
                     layouts) they are reused; otherwise stage bwd.recompute rebuilds them
-                    with the forward's Triton stage launchers.
+                    with the forward's Triton stage launchers (from a kept Aqk and Tinv,
+                    W and U come from fwd_wu instead of a second fwd.intra).
 
 Returns a dict of FP32 gradients, same shapes as the matching inputs:
     q, k (w.r.t. the normalised q, k), v, g, g_atk, beta_atk, beta, log_atk_scale [H],
@@ -39,7 +40,7 @@ of shared/design/pkda.md (a_t, r_t, m_t, p_t = k_t m_t, S_t, o_t = S_t^T (scale 
 Stages (each inside NVTX range ``pkda.bwd.<stage>``, opened inside pkda_bwd so they sit
 on the thread that launches the kernels) and their kernels:
 
-    recompute  the forward's fwd_atk / fwd_intra / fwd_h launchers (kernels/pkda/fwd.py)
+    recompute  the forward's fwd_atk / fwd_wu (or fwd_intra) / fwd_h launchers (kernels/pkda/fwd.py)
     dAv        pkda_bwd_dAv_kernel        dAqk_s = scale*tril(dO Delta^T) FP32 [B,T,H,64],
                                           dv_loc = Aqk^T dO                  grid (NT, H)
     dhu        pkda_bwd_dhu_kernel        reverse over chunks: dE per chunk, dDelta, dS0
@@ -771,18 +772,27 @@ def bwd_atk(k, a, g_atk, beta_atk, c, dp, dk, initial_A_state, dat, x, eps, lay)
 
 
 RECOMPUTE_KEYS = ("a", "p", "G", "Aqk", "Tinv", "W", "U", "h", "Delta")
+# what the op's forward keeps without disable_recompute: fwd.intra's solve outputs
+KEPT_BY_DEFAULT = ("Aqk", "Tinv")
 
 
 def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_state,
                   initial_A_state, lay, saved=None):
     """bwd.recompute: a, p, G (fwd.atk), Aqk, Tinv, W, U (fwd.intra), h, Delta (fwd.h), with
-    the forward's own Triton stage launchers. Tensors present in `saved` are reused."""
-    if saved is not None and all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
+    the forward's own Triton stage launchers. Tensors present in `saved` are reused: all of
+    RECOMPUTE_KEYS skips the stage; Aqk and Tinv alone (KEPT_BY_DEFAULT) replace fwd.intra by
+    fwd_wu (W, U from Tinv)."""
+    saved = saved or {}
+    if all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
         return {n: saved[n] for n in RECOMPUTE_KEYS}
     from . import fwd
     p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
                              store_a=True)
-    Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay)
+    if saved.get("Aqk") is not None and saved.get("Tinv") is not None:
+        Aqk, Tinv = saved["Aqk"], saved["Tinv"]
+        W, U = fwd.fwd_wu(k, v, G, beta, Tinv, lay)
+    else:
+        Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay)
     h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state)
     return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
 

@@ -20,6 +20,7 @@ token axis, so every kernel has one code path.
         -> (Aqk [B,T,H,64] fp32, Tinv [B,T,H,64] fp32, W [B,T,H,K] k.dtype,
             U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
         Aqk inclusive and scaled; Tinv = (I + Akk)^-1; Akk strict and beta-scaled.
+    fwd_wu(k, v, G, beta, Tinv, layout) -> (W, U) as fwd_intra's, from a kept Tinv
     fwd_h(W, U, p, G, layout, initial_state=None, output_final_state=False, store_h=True)
         -> (h [NT,H,K,V] k.dtype | None, Delta [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None)
     fwd_o(q, G, h, Aqk, Delta, scale, layout) -> o [B,T,H,V] v.dtype
@@ -597,6 +598,75 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
     return Aqk, Tinv, W, U, Akk
 
 
+# W and U again from a kept Tinv: what the backward's recompute needs of fwd.intra once the
+# forward has kept Aqk and Tinv. The forward's intra kernel builds Akk, Aqk and the 64x64 solve
+# serially per (chunk, head) and was 59% of the forward's device time on the H200
+# (docs/perf/pkda.md); W = Tinv X and U = Tinv Y are two plain GEMMs per chunk.
+@triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1)]), key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_wu_kernel(k, v, G, beta, Tinv, W, U, cu, chunk_indices, H, K: tl.constexpr,
+                       V: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+    # one program per (chunk, head, 64-wide tile of W's K columns or U's V columns):
+    # W = Tinv (beta K*exp(G)), U = Tinv (beta V), the operands rounded as fwd.intra rounds them
+    NK: tl.constexpr = K // BD
+    NV: tl.constexpr = V // BD
+    DT: tl.constexpr = k.dtype.element_ty
+    pid = tl.program_id(0)
+    i_d = pid % (NK + NV)
+    i_ch = pid // (NK + NV)
+    i_h = i_ch % H
+    i_c = i_ch // H
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    T0 = bos + i_t * BT
+    Lc = tl.minimum(eos - T0, BT)
+    o_t = tl.arange(0, BT)
+    m_t = o_t < Lc
+    rows = (T0 + o_t) * H + i_h
+    b_T = tl.load(Tinv + rows[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.).to(DT)
+    b_b = tl.load(beta + rows, mask=m_t, other=0.).to(tl.float32)
+    if i_d < NK:
+        o_k = i_d * BD + tl.arange(0, BD)
+        off = rows[:, None] * K + o_k[None, :]
+        b_k = tl.load(k + off, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_G = tl.load(G + off, mask=m_t[:, None], other=0.)
+        b_x = (b_b[:, None] * b_k * tl.exp(b_G)).to(DT)
+        b_w = tl.dot(b_T, b_x, input_precision=PREC)
+        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
+    else:
+        o_v = (i_d - NK) * BD + tl.arange(0, BD)
+        off = rows[:, None] * V + o_v[None, :]
+        b_y = (b_b[:, None] * tl.load(v + off, mask=m_t[:, None], other=0.).to(tl.float32)).to(DT)
+        b_u = tl.dot(b_T, b_y, input_precision=PREC)
+        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+
+
+def grid_wu(NT, H, K, V, BD):
+    return _check_grid((NT * H * (K // BD + V // BD), 1, 1))
+
+
+def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout):
+    """W [B,T,H,K] k.dtype and U [B,T,H,V] (v cast to k.dtype) from a kept Tinv: the W and U
+    of fwd_intra without its Akk, Aqk and solve (the backward's recompute, when the forward
+    kept Aqk and Tinv). k L2-normalised; G fp32 from fwd_atk."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    _check_dims(K, V)
+    k, v, G, beta, Tinv = (t.contiguous() for t in (k, v, G, beta, Tinv))
+    if v.dtype != k.dtype:
+        v = v.to(k.dtype)
+    W = torch.empty_like(k)
+    U = torch.empty_like(v)
+    if layout.NT:
+        BD = 64
+        pkda_fwd_wu_kernel[grid_wu(layout.NT, H, K, V, BD)](
+            k, v, G, beta, Tinv, W, U, layout.cu, layout.chunk_indices, H, K=K, V=V, BT=BT,
+            BD=BD, PREC=_dot_prec(k.dtype))
+    return W, U
+
+
 # ============================================================================ fwd.h
 @triton.autotune(configs=_configs([({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2)]),
                  key=["H", "K", "V"])
@@ -740,6 +810,8 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
     saved) where saved is None unless save_for_backward, else a dict with
         q_n, k_n   L2-normalised q, k (q.dtype)      q_rstd, k_rstd  [B,T,H] fp32
         layout     the ChunkLayout of this call
+        Aqk, Tinv  fwd.intra's [B,T,H,64] fp32 outputs (the backward rebuilds W, U from Tinv
+                   with fwd_wu instead of re-running fwd.intra)
     (everything else is recomputed by the backward from the inputs: bwd.recompute).
     With keep_intermediates (and save_for_backward) saved also holds every tensor of
     bwd.RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta) so that the backward can skip
@@ -763,7 +835,8 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
         o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
     saved = None
     if save_for_backward:
-        saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout)
+        saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout, Aqk=Aqk,
+                     Tinv=Tinv)
         if keep_intermediates:
             saved.update(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
     return o, S_fin, a_fin, saved

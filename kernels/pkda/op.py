@@ -75,24 +75,26 @@ class PKDAFunction(torch.autograd.Function):
             q, k, v, g, g_atk, beta_atk, beta, scale, c, initial_state, initial_A_state,
             output_final_state, cu_seqlens, x, eps, layout=layout, save_for_backward=True,
             keep_intermediates=disable_recompute)
-        from .bwd import RECOMPUTE_KEYS
-        kept = [saved[n] for n in RECOMPUTE_KEYS] if disable_recompute else []
+        from .bwd import KEPT_BY_DEFAULT, RECOMPUTE_KEYS
+        # Aqk and Tinv (the 64x64 solve) are always kept: the backward then rebuilds W and U
+        # with two GEMMs instead of re-running fwd.intra; disable_recompute keeps everything
+        kept_keys = RECOMPUTE_KEYS if disable_recompute else KEPT_BY_DEFAULT
         ctx.save_for_backward(saved["q_n"], saved["k_n"], saved["q_rstd"], saved["k_rstd"], v, g,
                               g_atk, beta_atk, beta, c, initial_state, initial_A_state, cu_seqlens,
-                              *kept)
+                              *(saved[n] for n in kept_keys))
         ctx.meta = dict(scale=scale, x=x, eps=eps, lsc_dtype=log_atk_scale.dtype,
-                        lsc_shape=log_atk_scale.shape, kept=disable_recompute,
+                        lsc_shape=log_atk_scale.shape, kept_keys=kept_keys,
                         dtypes=[t.dtype for t in (q, k, v, g, g_atk, beta_atk, beta)])
         ctx.set_materialize_grads(False)
         return o, S_fin, a_fin
 
     @staticmethod
     def backward(ctx, do, dht, dat):
-        from .bwd import RECOMPUTE_KEYS, pkda_bwd
+        from .bwd import pkda_bwd
         (q_n, k_n, q_rstd, k_rstd, v, g, g_atk, beta_atk, beta, c, S0, a0,
          cu_seqlens) = ctx.saved_tensors[:13]
         m = ctx.meta
-        saved = dict(zip(RECOMPUTE_KEYS, ctx.saved_tensors[13:])) if m["kept"] else None
+        saved = dict(zip(m["kept_keys"], ctx.saved_tensors[13:]))
         if do is None:
             do = torch.zeros_like(v)
         gr = pkda_bwd(q_n, k_n, v, g, g_atk, beta_atk, beta, c, m["scale"], m["x"], m["eps"],

@@ -481,12 +481,7 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
     pid = tl.program_id(0)
     i_c = pid // H
     i_h = pid % H
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    T0 = bos + i_t * BT
-    Lc = tl.minimum(eos - T0, BT)
+    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
 
     A00, Q00 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
     A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD, PREC32)
@@ -616,12 +611,7 @@ def pkda_fwd_wu_kernel(k, v, G, beta, Tinv, W, U, cu, chunk_indices, H, K: tl.co
     i_ch = pid // (NK + NV)
     i_h = i_ch % H
     i_c = i_ch // H
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    T0 = bos + i_t * BT
-    Lc = tl.minimum(eos - T0, BT)
+    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < Lc
     rows = (T0 + o_t) * H + i_h
@@ -754,12 +744,7 @@ def pkda_fwd_o_kernel(q, G, h, Aqk, delta, o, cu, chunk_indices, scale, H,
     i_ch = pid // NV
     i_h = i_ch % H
     i_c = i_ch // H
-    i_n = tl.load(chunk_indices + i_c * 2)
-    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    T0 = bos + i_t * BT
-    Lc = tl.minimum(eos - T0, BT)
+    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)

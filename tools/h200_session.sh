@@ -12,6 +12,8 @@
 # A call that finds the last call's machine still warm (the next call made within its idle time)
 #   reuses that machine's /tmp/repo whole when it holds the same commit, and ignores .carry.
 # Env knobs: RUN_ID (default h200); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
+#   ALSO_WARM="exp ..." also compiles those experiments' kernels beside this warm (for the next
+#   call on the same machine), finished before this run's first timed block;
 #   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
 #   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
 #   and logs, the run's ncu reports if small) instead of resumable state.
@@ -52,8 +54,17 @@ fi
 # compile every kernel in parallel first (minutes on a fresh machine, seconds with a carried cache)
 mkdir -p "profile/$EXP"
 WARM_LOG=profile/$EXP/warm-$(date -u +%Y%m%dT%H%M%SZ).log   # travels with the state (8 files come back at most)
+ALSO_PIDS=()
+for other in ${ALSO_WARM:-}; do
+  # the next call's experiment compiles beside this one's warm (CPU-bound); waited for below,
+  # so no compile runs during a timed block
+  mkdir -p "profile/$other"
+  timeout "$BUDGET" python3 -m harness warm "experiments/$other.yaml" > "profile/$other/warm-$(date -u +%Y%m%dT%H%M%SZ).log" 2>&1 &
+  ALSO_PIDS+=($!)
+done
 timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" ${WARM_ARGS:-} > "$WARM_LOG" 2>&1
 echo "harness warm rc=$? in $(( $(date +%s) - START )) s"; tail -3 "$WARM_LOG"
+for pid in "${ALSO_PIDS[@]}"; do wait "$pid"; echo "warm of ALSO_WARM (pid $pid) rc=$? at $(( $(date +%s) - START )) s"; done
 [ "${FINAL:-0}" = 1 ] && cp "$WARM_LOG" "$OUT/warm.log"
 if [ -n "$CAPTURE_PID" ]; then
   wait "$CAPTURE_PID"; echo "ncu fixture capture rc=$? at $(( $(date +%s) - START )) s"; grep -E "rc=|MISSING" /tmp/capture.log | tail -4

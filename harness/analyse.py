@@ -199,41 +199,44 @@ def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, seed: i
                                "delta_fraction": delta / r.base_peak if delta is not None and r.base_peak else None},
                 "stages": stages,
                 "kernels": kernels,
-                "device_ms": _device_ms(kernels),
+                "device_ms": _device_ms(r, seed),
                 "failures": r.failures,
             })
     return rows
 
 
-def _device_ms(kernels: dict[str, list[dict]]) -> dict | None:
-    """Summed device time per call on each side (every profiled kernel and copy) and the
-    baseline/candidate ratio: where the wall-clock speedup and this ratio disagree, the difference
-    is host-side (launch overhead, Python, allocation), not the kernels."""
-    sums = {side: sum(k["ms_per_call"] for k in rows) if rows else None for side, rows in kernels.items()}
-    if sums.get("baseline") is None and sums.get("candidate") is None:
+def _device_ms(r: G.RowEvidence, seed: int) -> dict | None:
+    """Summed device time per call on each side (every profiled kernel and copy; pooled median of
+    the profiled calls) and the baseline/candidate speedup on it with its block-bootstrap interval,
+    the same statistic as the wall-clock speedup: where the two disagree, the difference is
+    host-side (launch overhead, Python, allocation), not the kernels."""
+    base, cand = r.blocks("device")
+    if not base and not cand:
         return None
-    b, c = sums.get("baseline"), sums.get("candidate")
-    return {"baseline": b, "candidate": c, "ratio": b / c if b and c else None}
+    b = stats.summarize(_flat(base)).median if base else None
+    c = stats.summarize(_flat(cand)).median if cand else None
+    iv = stats.paired_block_speedup(base, cand, seed=seed) if base and cand else None
+    return {"baseline": b, "candidate": c, "ratio": iv.point if iv else None,
+            "speedup": iv.to_json() if iv else None}
 
 
 def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evidence, seed: int) -> list[dict]:
     """Each declared geomean gate's set of rows, then every measured row per mode."""
-    sets: list[tuple[str, str, list[str]]] = []
+    sets: list[tuple[str, str, list[str], str]] = []
     for g in loaded.exp.gates:
         if isinstance(g, GeomeanGate):
-            sets.append((g.name, g.mode, list(g.rows)))
+            sets.append((g.name, g.mode, list(g.rows), g.basis))
     for mode in loaded.exp.modes:
-        sets.append((f"all rows ({mode})", mode, [s.name for s in shapes]))
+        sets.append((f"all rows ({mode})", mode, [s.name for s in shapes], "wall"))
     out = []
-    for label, mode, names in sets:
-        pairs = [(ev.rows[(n, mode)].base_blocks, ev.rows[(n, mode)].cand_blocks) for n in names
-                 if (n, mode) in ev.rows]
+    for label, mode, names, basis in sets:
+        pairs = [ev.rows[(n, mode)].blocks(basis) for n in names if (n, mode) in ev.rows]
         if len(pairs) != len(names):
             iv = stats.Interval(None, None, None, 0.95, 0, "none", note="a row of this set was not measured")
         else:
             iv = stats.geomean_speedup(pairs, seed=seed)
         out.append({"name": label, "mode": mode, "rows": [_row_name(n, mode) for n in names], **iv.to_json(),
-                    "declared": not label.startswith("all rows")})
+                    "declared": not label.startswith("all rows"), "basis": basis})
     return out
 
 

@@ -63,6 +63,13 @@ class RowEvidence:
     cand_peak: int | None = None
     shape_dims: dict = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)  # per-block failures of this row, either side
+    # summed device time per profiled call, per block (gates with basis: device)
+    base_device: Blocks = field(default_factory=list)
+    cand_device: Blocks = field(default_factory=list)
+
+    def blocks(self, basis: str = "wall") -> tuple[Blocks, Blocks]:
+        """(baseline, candidate) blocks of the call's wall-clock samples or of its summed device time."""
+        return (self.base_device, self.cand_device) if basis == "device" else (self.base_blocks, self.cand_blocks)
 
 
 @dataclass
@@ -206,15 +213,19 @@ def _no_pass_with_failures(status: Status, reason: str, failures: list[dict], na
 
 # --- the gates ---------------------------------------------------------------------------------
 
+def _basis_tag(basis: str) -> str:
+    return " (device time)" if basis == "device" else ""
+
+
 def _speedup(gate: SpeedupGate, ev: Evidence, seed: int) -> GateResult:
-    name = _row_name(gate.row, gate.mode) + (f"/{gate.stage}" if gate.stage else "")
+    name = _row_name(gate.row, gate.mode) + (f"/{gate.stage}" if gate.stage else "") + _basis_tag(gate.basis)
     row = ev.rows.get((gate.row, gate.mode))
     if gate.stage is not None:
         pair = ev.stages.get((gate.row, gate.mode, gate.stage))
         base, cand = pair if pair is not None else (None, None)
     else:
-        base, cand = (row.base_blocks, row.cand_blocks) if row is not None else (None, None)
-    numbers = {"threshold": gate.threshold, "stage": gate.stage}
+        base, cand = row.blocks(gate.basis) if row is not None else (None, None)
+    numbers = {"threshold": gate.threshold, "stage": gate.stage, "basis": gate.basis}
     missing = _missing_side(name, base, cand)
     if missing:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", missing, numbers, [name])
@@ -226,18 +237,19 @@ def _speedup(gate: SpeedupGate, ev: Evidence, seed: int) -> GateResult:
 
 
 def _geomean(gate: GeomeanGate, ev: Evidence, seed: int) -> GateResult:
-    names = [_row_name(r, gate.mode) for r in gate.rows]
-    numbers: dict = {"threshold": gate.threshold, "mode": gate.mode, "rows": {}}
+    names = [_row_name(r, gate.mode) + _basis_tag(gate.basis) for r in gate.rows]
+    numbers: dict = {"threshold": gate.threshold, "mode": gate.mode, "basis": gate.basis, "rows": {}}
     missing, failures, pairs = [], [], []
     for r, name in zip(gate.rows, names):
         row = ev.rows.get((r, gate.mode))
-        why = _missing_side(name, row.base_blocks if row else None, row.cand_blocks if row else None)
+        base, cand = row.blocks(gate.basis) if row else (None, None)
+        why = _missing_side(name, base, cand)
         if why:
             missing.append(why)
             continue
         failures += [f for f in row.failures if f not in failures]
-        pairs.append((row.base_blocks, row.cand_blocks))
-        iv = stats.paired_block_speedup(row.base_blocks, row.cand_blocks, seed=seed)
+        pairs.append((base, cand))
+        iv = stats.paired_block_speedup(base, cand, seed=seed)
         numbers["rows"][name] = {"point": iv.point, "lo": iv.lo, "hi": iv.hi}
     if missing:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", "; ".join(missing), numbers, names)
@@ -261,26 +273,29 @@ def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Exper
     keys = [(r, m) for r in shapes for m in gate.modes if exp is None or m in exp.modes]
     skipped = [m for m in gate.modes if exp is not None and m not in exp.modes]
     limit = 1 + gate.margin
-    numbers: dict = {"margin": gate.margin, "limit": limit, "aa_noise": ev.aa_noise, "rows": {}}
+    numbers: dict = {"margin": gate.margin, "limit": limit, "aa_noise": ev.aa_noise, "basis": gate.basis, "rows": {}}
     if skipped:
         numbers["modes_not_measured"] = skipped
-    names = [_row_name(*k) for k in keys]
+    names = [_row_name(*k) + _basis_tag(gate.basis) for k in keys]
+    # the A/A floor is a wall-clock spread; device time is judged against its own block spread
+    aa_noise = ev.aa_noise if gate.basis == "wall" else None
     statuses: list[Status] = []
     notes: list[str] = []
     worst: tuple[float, str] | None = None
     for key, name in zip(keys, names):
         row = ev.rows.get(key)
-        why = _missing_side(name, row.base_blocks if row else None, row.cand_blocks if row else None)
+        base, cand = row.blocks(gate.basis) if row else (None, None)
+        why = _missing_side(name, base, cand)
         if why:
             statuses.append("INCONCLUSIVE")
             notes.append(why)
             numbers["rows"][name] = {"status": "INCONCLUSIVE", "reason": why}
             continue
-        iv = stats.time_ratio(row.base_blocks, row.cand_blocks, seed=seed)
+        iv = stats.time_ratio(base, cand, seed=seed)
         st = _ratio_status(iv, limit)
         # "non-regressing within the margin outside noise": a regression FAILs only beyond both the
         # margin and the noise (the A/A floor, else the baseline's own block-to-block spread)
-        row_noise = ev.aa_noise if _known(ev.aa_noise) else stats.block_spread(row.base_blocks)
+        row_noise = aa_noise if _known(aa_noise) else stats.block_spread(base)
         noise_note = ""
         if st == "FAIL" and _known(row_noise) and iv.lo is not None and iv.lo <= 1 + row_noise:
             st = "INCONCLUSIVE"
@@ -303,8 +318,11 @@ def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Exper
         reason = "a row's time-ratio lower bound > " + f"{limit:.4f}" + " and beyond its noise"
     else:
         reason = "not every row is resolved within the margin"
-    noise = ev.aa_noise
-    if noise is None or (isinstance(noise, float) and math.isnan(noise)):
+    noise = aa_noise
+    if gate.basis == "device":
+        reason += ("; on summed device time (a regression must also exceed the baseline's own "
+                   "block-to-block spread to FAIL)")
+    elif noise is None or (isinstance(noise, float) and math.isnan(noise)):
         reason += ("; no A/A noise floor is known (a regression must also exceed the baseline's own "
                    "block-to-block spread to FAIL)")
     elif noise > gate.margin:
@@ -584,6 +602,11 @@ def evidence_from_blocks(exp: Experiment, blocks, shape_dims_by_row: dict[str, d
         for key, ms in b.stage_samples.items():
             if ms:
                 stage_lists.setdefault(key, ([], []))[side].append(list(ms))
+        for key in set(b.samples) | set(b.device_samples) | set(b.kernels):
+            dev = b.device_ms(key)
+            if dev:
+                row = ev.rows.setdefault(key, RowEvidence([], [], None, None, dims.get(key[0], {})))
+                (row.base_device, row.cand_device)[side].append(dev)
         for key, nbytes in b.peaks.items():
             peaks.setdefault((key, b.side), []).append(int(nbytes))
     for (key, side_name), values in peaks.items():

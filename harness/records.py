@@ -5,6 +5,7 @@ The worker appends one JSON object per line, flushed as it is taken:
   sample      {block, side, attempt, shape, mode, i, ms}
   peak        {block, side, attempt, shape, mode, bytes}
   stage       {block, side, attempt, shape, mode, i, stage, ms}  device time of one stage, one call
+  device      {block, side, attempt, shape, mode, i, ms}         summed device time of one profiled call
   kernels     {block, side, attempt, shape, mode, iters, kernels: {name: [total_ms, launches]}}
   failure     {block, side, attempt, shape, mode, error}             a training row's: shape=row, mode="train"
   train_step  {block, side, attempt, row, step, warmup, ms, loss, tokens}   one optimizer step of a
@@ -38,6 +39,7 @@ class Block:
     gpu_after: dict | None = None
     samples: dict[RowKey, list[float]] = field(default_factory=dict)
     stage_samples: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    device_samples: dict[RowKey, list[float]] = field(default_factory=dict)  # per profiled call
     peaks: dict[RowKey, int] = field(default_factory=dict)
     kernels: dict[RowKey, dict] = field(default_factory=dict)
     failures: list[dict] = field(default_factory=list)
@@ -50,6 +52,16 @@ class Block:
     @property
     def complete(self) -> bool:
         return self.status in ("ok", "failed")
+
+    def device_ms(self, row: RowKey) -> list[float]:
+        """Summed device time of each profiled call of a row (kernels, copies, memsets). Records
+        written before `device` lines existed give their kernel table's mean per call instead."""
+        if self.device_samples.get(row):
+            return list(self.device_samples[row])
+        rec = self.kernels.get(row)
+        if rec and rec.get("iters"):
+            return [sum(float(ms) for ms, _ in (rec.get("kernels") or {}).values()) / int(rec["iters"])]
+        return []
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -104,6 +116,8 @@ def load_blocks(samples_path: Path) -> list[Block]:
             b.samples.setdefault(row, []).append(float(rec["ms"]))
         elif kind == "stage":
             b.stage_samples.setdefault((rec["shape"], rec["mode"], rec["stage"]), []).append(float(rec["ms"]))
+        elif kind == "device":
+            b.device_samples.setdefault(row, []).append(float(rec["ms"]))
         elif kind == "peak":
             b.peaks[row] = int(rec["bytes"])
         elif kind == "kernels":

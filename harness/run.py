@@ -45,6 +45,13 @@ class RunOptions:
     measure_anyway: str | None = None
 
 
+
+def invoked_command() -> str:
+    """This process's command line as a user would type it again: `python -m harness ...` reads
+    as `harness ...` (argv[0] is then .../harness/__main__.py), an entry point by its name."""
+    prog = Path(sys.argv[0]).name
+    return shlex.join(["harness" if prog == "__main__.py" else prog, *sys.argv[1:]])
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -92,7 +99,7 @@ def _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts) -> dict
         "run_id": run_id, "experiment": loaded.exp.name, "experiment_file": str(loaded.path),
         "experiment_yaml": loaded.path.read_text(), "cpu_mode": cpu_mode, "aa": opts.aa,
         "device": device_info(), "versions": {**versions(), "harness_sha": _harness_sha()},
-        "host": socket.gethostname(), "commands": [shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])],
+        "host": socket.gethostname(), "commands": [invoked_command()],
         "started": _now(), "finished": None, "note": opts.note,
         "revisions": revisions.to_json(), "plan": [{"block": i, "side": s} for i, s in enumerate(plan)],
         "timing": {"method": settings.timing, "l2_flush": settings.l2_flush,
@@ -143,7 +150,7 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
         cpu_mode = manifest["cpu_mode"]
         settings = replace(BenchSettings.for_machine(loaded, cpu_mode), aa=manifest.get("aa", False))
         plan = [p["side"] for p in manifest["plan"]]
-        manifest["commands"].append(shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]))
+        manifest["commands"].append(invoked_command())
         log(f"resuming run {run_id} ({sum(1 for _ in (run_dir / 'samples.jsonl').open()) if (run_dir / 'samples.jsonl').exists() else 0} records so far)")
     else:
         revisions = rev.resolve(loaded, opts.profile_root)

@@ -206,6 +206,12 @@ class _Gate(Strict):
     description: str = ""
 
 
+# What a whole-call timing gate reads: "wall" = the call's CUDA-event (or wall-clock) samples, host
+# launch time included; "device" = the summed time of every kernel and copy of the call, from the
+# `stage_iters` profiled calls per block (launch-bound rows move by host noise alone in wall time).
+Basis = Literal["wall", "device"]
+
+
 class SpeedupGate(_Gate):
     """Endpoint (or one stage's) speedup of one row: PASS when the CI's lower bound >= threshold."""
 
@@ -214,6 +220,7 @@ class SpeedupGate(_Gate):
     mode: Mode = "fwdbwd"
     stage: str | None = None  # a key of `stages`; None = the whole call
     threshold: float = Field(gt=0)
+    basis: Basis = "wall"
 
 
 class GeomeanGate(_Gate):
@@ -221,6 +228,7 @@ class GeomeanGate(_Gate):
     rows: list[str] = Field(min_length=1)
     mode: Mode = "fwdbwd"
     threshold: float = Field(gt=0)
+    basis: Basis = "wall"
 
 
 class NonRegressionGate(_Gate):
@@ -230,6 +238,7 @@ class NonRegressionGate(_Gate):
     rows: list[str] | Literal["all"] = "all"
     modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
     margin: float = Field(gt=0, lt=1)
+    basis: Basis = "wall"
 
 
 class PeakAllocGate(_Gate):
@@ -542,6 +551,13 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
         stage = getattr(gate, "stage", None)
         if stage is not None and stage not in exp.stages:
             out.append((f"{at}.stage", f"gate {gate.name!r} names stage {stage!r}, not one of stages {sorted(exp.stages)}"))
+        if getattr(gate, "basis", "wall") == "device":
+            if stage is not None:
+                out.append((f"{at}.basis", f"gate {gate.name!r}: a stage's time is device time already; "
+                            "basis: device applies to whole-call gates (drop basis or stage)"))
+            if exp.stage_iters == 0:
+                out.append((f"{at}.basis", f"gate {gate.name!r} gates on device time, which is measured by "
+                            "the profiled calls of each block: stage_iters must be >= 1, got 0"))
         mode = getattr(gate, "mode", None)
         if mode is not None and mode not in exp.modes:
             out.append((f"{at}.mode", f"gate {gate.name!r} uses mode {mode!r}, not one of modes {exp.modes}"))

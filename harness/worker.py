@@ -203,13 +203,14 @@ def run_block(job: dict) -> int:
                 peak = peak_bytes(call)
                 if peak is not None:
                     emit("peak", shape=key[0], mode=mode, bytes=int(peak))
-                if job["stage_iters"] > 0 and job["stage_patterns"]:
+                if job["stage_iters"] > 0:  # stage times, the kernel table and summed device time
                     calls = profile_calls(call, job["stage_iters"], job["stage_patterns"])
                     totals: dict[str, list] = {}  # kernel name -> [total ms, launches] over the calls
                     for i, kernels in enumerate(calls):
                         for stage in job["stage_patterns"]:
                             ms = sum(k_ms for _, k_ms, k_stage in kernels if k_stage == stage)
                             emit("stage", shape=key[0], mode=mode, i=i, stage=stage, ms=ms)
+                        emit("device", shape=key[0], mode=mode, i=i, ms=sum(k_ms for _, k_ms, _ in kernels))
                         for name, k_ms, _ in kernels:
                             t = totals.setdefault(name, [0.0, 0])
                             t[0] += k_ms

@@ -402,3 +402,82 @@ def test_non_regression_fails_only_outside_the_baselines_own_noise():
     r = one(gate, ev([10.0, 10.6, 9.4], 1.04), modes=["fwd"])
     assert r.status == "INCONCLUSIVE" and "within noise" in r.reason
     assert abs(r.numbers["rows"]["dense/fwd"]["noise"] - 0.06) < 0.005
+
+
+# --- basis: device -------------------------------------------------------------------------------
+# The H200 pattern that motivated it (reports/pkda-keep-solve/h200): a launch-bound row whose wall
+# medians move +-20% between fresh processes while its summed kernel time moves < 0.5%.
+WALL_NOISY = ([[5.9] * 10, [6.4] * 10, [6.2] * 10], [[6.3] * 10, [5.6] * 10, [6.2] * 10])
+DEVICE_CLEAR = ([[4.71] * 3, [4.70] * 3, [4.72] * 3], [[4.14] * 3, [4.13] * 3, [4.15] * 3])
+
+
+def device_ev(wall, device, key=("dense", "fwdbwd")):
+    row = RowEvidence(*wall)
+    row.base_device, row.cand_device = device
+    return Evidence(rows={key: row})
+
+
+def test_speedup_and_geomean_on_device_time():
+    ev = device_ev(WALL_NOISY, DEVICE_CLEAR)
+    wall = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.08}, ev)
+    dev = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.08, "basis": "device"}, ev,
+              stage_iters=3)
+    assert wall.status == "INCONCLUSIVE" and dev.status == "PASS", (wall.reason, dev.reason)
+    assert dev.numbers["basis"] == "device" and 1.13 < dev.numbers["point"] < 1.15
+    assert "(device time)" in dev.reason and dev.rows == ["dense/fwdbwd (device time)"]
+    geo = one({"name": "g", "kind": "geomean", "rows": ["dense"], "threshold": 1.05, "basis": "device"}, ev,
+              stage_iters=3)
+    assert geo.status == "PASS" and geo.numbers["basis"] == "device"
+    # a threshold above the device speedup FAILs on device time as it would on wall time
+    assert one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.25, "basis": "device"}, ev,
+               stage_iters=3).status == "FAIL"
+
+
+def test_non_regression_on_device_time_ignores_the_wall_aa_floor():
+    same = ([[1.079] * 3, [1.080] * 3, [1.078] * 3], [[1.081] * 3, [1.082] * 3, [1.080] * 3])
+    ev = device_ev(WALL_NOISY, same, key=("dense", "fwd"))
+    ev.aa_noise = 0.05  # a wall-clock floor wider than the margin: wall can never PASS
+    gate = {"name": "nr", "kind": "non_regression", "rows": ["dense"], "modes": ["fwd"], "margin": 0.02}
+    assert one(gate, ev, modes=["fwd"]).status == "INCONCLUSIVE"
+    r = one({**gate, "basis": "device"}, ev, modes=["fwd"], stage_iters=3)
+    assert r.status == "PASS" and "summed device time" in r.reason, r.reason
+    slower = ([[1.08] * 3] * 3, [[1.20] * 3] * 3)
+    r = one({**gate, "basis": "device"}, device_ev(WALL_NOISY, slower, key=("dense", "fwd")), modes=["fwd"],
+            stage_iters=3)
+    assert r.status == "FAIL", r.reason
+
+
+def test_device_gate_without_profiled_calls_is_inconclusive():
+    ev = device_ev(WALL_NOISY, ([], []))
+    r = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.0, "basis": "device"}, ev,
+            stage_iters=3)
+    assert r.status == "INCONCLUSIVE" and "no samples" in r.reason
+
+
+def test_device_samples_from_records_and_the_kernel_table_fallback(tmp_path):
+    """`device` lines give one value per profiled call; a block written before them (its kernel
+    table only) gives its mean per call."""
+    path = tmp_path / "samples.jsonl"
+    for block, side in enumerate(["baseline", "candidate", "candidate", "baseline"]):
+        att, key = f"{block}-a", {"shape": "dense", "mode": "fwdbwd"}
+        ms = 2.0 if side == "baseline" else 1.0
+        records.append_jsonl(path, {"type": "block_start", "block": block, "side": side, "attempt": att})
+        records.append_jsonl(path, {"type": "sample", "block": block, "side": side, "attempt": att, **key,
+                                    "i": 0, "ms": ms + 5})
+        if block < 2:
+            for i, f in enumerate((0.99, 1.01)):
+                records.append_jsonl(path, {"type": "device", "block": block, "side": side, "attempt": att,
+                                            **key, "i": i, "ms": ms * f})
+        records.append_jsonl(path, {"type": "kernels", "block": block, "side": side, "attempt": att, **key,
+                                    "iters": 2, "kernels": {"a": [ms * 1.5, 2], "b": [ms * 0.5, 2]}})
+        records.append_jsonl(path, {"type": "block_end", "block": block, "side": side, "attempt": att,
+                                    "status": "ok"})
+    blocks = records.completed_blocks(path)
+    assert blocks[0].device_ms(("dense", "fwdbwd")) == [2.0 * 0.99, 2.0 * 1.01]
+    assert blocks[3].device_ms(("dense", "fwdbwd")) == [2.0]  # (3.0 + 1.0) / 2 iterations
+    assert blocks[3].device_ms(("dense", "fwd")) == []
+    ev = evidence_from_blocks(make_exp([NR]), blocks)
+    row = ev.rows[("dense", "fwdbwd")]
+    assert row.base_device == [[1.98, 2.02], [2.0]] and row.cand_device == [[0.99, 1.01], [1.0]]
+    assert row.blocks("device") == (row.base_device, row.cand_device)
+    assert row.blocks() == (row.base_blocks, row.cand_blocks)

@@ -37,6 +37,7 @@ EXPERIMENT = textwrap.dedent("""\
       bwd.intra: {{baseline: ["chunk_bwd"], candidate: ["chunk_bwd"]}}
     gates:
       - {{name: s1-speedup, kind: speedup, row: S1, mode: fwdbwd, threshold: 1.5}}
+      - {{name: s1-device, kind: speedup, row: S1, mode: fwdbwd, threshold: 1.5, basis: device}}
       - {{name: geomean-fwdbwd, kind: geomean, rows: [S1, S2], mode: fwdbwd, threshold: 1.2}}
       - {{name: peak-down, kind: peak_alloc, rows: [S1], mode: fwdbwd, min_reduction_bytes: "1024"}}
       - {{name: frozen, kind: frozen_paths}}
@@ -108,6 +109,9 @@ def build_run_dir(tmp_path: Path, impossible_gate: bool = True) -> tuple[object,
                 for i in range(2):
                     append_jsonl(samples, {"type": "stage", **base, "shape": shape, "mode": mode, "i": i,
                                            "stage": "bwd.intra", "ms": mean * 0.3})
+                    if index % 2 == 0:  # odd blocks stand for records written before `device` lines
+                        append_jsonl(samples, {"type": "device", **base, "shape": shape, "mode": mode, "i": i,
+                                               "ms": mean * 0.5})
                 append_jsonl(samples, {"type": "kernels", **base, "shape": shape, "mode": mode, "iters": 2,
                                        "kernels": {KERNEL: [mean * 0.6, 2], "chunk_fwd_o": [mean * 0.4, 2]}})
         append_jsonl(samples, {"type": "block_end", **base, "t": f"2026-01-01T00:0{index}:30+00:00", "status": "ok",
@@ -157,11 +161,17 @@ def test_report_json_numbers(built):
                                 "delta_fraction": pytest.approx(-0.004096)}
     assert s1["stages"][0]["stage"] == "bwd.intra" and s1["stages"][0]["speedup"]["point"] == pytest.approx(2.0, rel=0.05)
     assert s1["kernels"]["baseline"][0]["kernel"] == KERNEL
-    # device time per call: the profiled kernels' sum on each side (their means over the profiled
-    # calls: each block records 0.6 + 0.4 of its mean over 2 iterations), and its ratio
+    # device time per call: the summed kernel time of each profiled call (half the block's mean time;
+    # from `device` lines, or from the kernel table of blocks without them), its speedup and interval
     dv = s1["device_ms"]
-    assert dv["baseline"] == pytest.approx(sum(k["ms_per_call"] for k in s1["kernels"]["baseline"]))
-    assert dv["ratio"] == pytest.approx(dv["baseline"] / dv["candidate"]) and 1.8 < dv["ratio"] < 2.2
+    assert dv["baseline"] == pytest.approx(0.5 * s1["baseline"]["median"], rel=0.02)
+    assert dv["baseline"] == pytest.approx(sum(k["ms_per_call"] for k in s1["kernels"]["baseline"]), rel=0.02)
+    assert dv["ratio"] == dv["speedup"]["point"] and 1.8 < dv["ratio"] < 2.2
+    assert dv["speedup"]["lo"] <= dv["ratio"] <= dv["speedup"]["hi"] and dv["speedup"]["n_blocks"] == 3
+    dg = _gate(data, "s1-device")
+    # it judges the very interval the row shows; the failed block keeps it from PASS as it does s1-speedup
+    assert dg["numbers"]["basis"] == "device" and dg["numbers"]["lo"] == dv["speedup"]["lo"] > 1.5
+    assert dg["status"] == _gate(data, "s1-speedup")["status"] == "INCONCLUSIVE" and "failure" in dg["reason"]
     assert 0 <= s1["mann_whitney_p"] < 0.01
     # the gate judged the very interval the row shows
     assert _gate(data, "s1-speedup")["numbers"]["lo"] == s1["speedup"]["lo"]
@@ -331,3 +341,12 @@ def test_provenance_env_of_runs_recorded_before_sides_carried_it(tmp_path):
     assert prov["candidate"]["env"] == {}
     recorded = {"revisions": {"repo": "/r", "baseline": dict(side), "candidate": {**side, "env": {"KNOB": "2"}}}}
     assert analyse._provenance(recorded, tmp_path, exp)["candidate"]["env"] == {"KNOB": "2"}  # the record wins
+
+
+def test_recorded_command_reads_as_typed(monkeypatch):
+    """`python -m harness run X` is recorded as `harness run X`, not `__main__.py run X`."""
+    from harness.run import invoked_command
+    monkeypatch.setattr("sys.argv", ["/x/harness/__main__.py", "run", "experiments/a b.yaml", "--run-id", "h200"])
+    assert invoked_command() == "harness run 'experiments/a b.yaml' --run-id h200"
+    monkeypatch.setattr("sys.argv", ["/usr/bin/harness", "report", "e.yaml"])
+    assert invoked_command() == "harness report e.yaml"

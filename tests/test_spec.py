@@ -60,6 +60,7 @@ def test_good_file_loads_with_defaults(tmp_path):
     ("ref: feature/x", "ref: 'x; rm -rf /'", "candidate.ref", 8),  # shell metacharacters
     ("ref: 0123456789abcdef0123456789abcdef01234567", "ref: main", "baseline.ref", 6),  # not a SHA
     ("row: dense", "row: nosuch", "gates[0].row", 14),  # gate names an unknown row
+    ("threshold: 1.10}", "threshold: 1.10, basis: cpu}", "gates[0].speedup.basis", 14),  # not wall/device
 ])
 def test_bad_values_name_field_and_line(tmp_path, old, new, field, line):
     text = GOOD.replace(old, new)
@@ -99,3 +100,15 @@ def test_byte_expression_is_checked_at_load(tmp_path):
     assert "gates[2].peak_alloc.min_reduction_bytes" in msg and "arithmetic expression" in msg
     ok = "\n  - {kind: peak_alloc, name: peak, rows: [dense], mode: fwd, min_reduction_bytes: '4*B*T*H*64 + 4*NK*B*T*H'}\n"
     assert load_experiment(write(tmp_path, GOOD.rstrip("\n") + ok)).exp.gates[2].min_reduction_bytes.startswith("4*B")
+
+
+def test_device_basis_is_for_whole_call_gates(tmp_path):
+    text = GOOD.replace("threshold: 1.10}", "threshold: 1.10, stage: intra, basis: device}") + \
+        "stages:\n  intra: {baseline: [k], candidate: [k]}\n"
+    msg = errors(tmp_path, text)
+    assert "gates[0].basis" in msg and "device time already" in msg, msg
+    unprofiled = GOOD.replace("threshold: 1.10}", "threshold: 1.10, basis: device}") + "stage_iters: 0\n"
+    msg = errors(tmp_path, unprofiled)
+    assert "exp.yaml:14: gates[0].basis" in msg and "stage_iters must be >= 1" in msg, msg
+    ok = load_experiment(write(tmp_path, GOOD.replace("margin: 0.02}", "margin: 0.02, basis: device}")))
+    assert ok.exp.gates[1].basis == "device" and ok.exp.gates[0].basis == "wall"

@@ -5,7 +5,7 @@
 #
 # Here, before the call:
 #   make h200-wheels                                   # .whl/ (ignored)
-#   mkdir -p .bundle && git bundle create .bundle/repo.bundle main   # the device copy has no .git
+#   mkdir -p .bundle && git bundle create .bundle/repo.bundle --branches   # the device copy has no .git; candidate branches ride along
 #   # after an unfinished call: rm -rf .carry && mkdir .carry && cp /work/.device/<n>/state.tgz.* .carry/
 # The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480 [harness run args...]",
 #   carry [".whl", ".bundle", ".carry"], timeout_s 600.

@@ -256,11 +256,14 @@ def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict
         state = attempts.attempt_state(opts.profile_root, loaded.exp)
         capped, reason = attempts.cap_verdict(state, data["verdict"])
         if capped != data["verdict"]:
-            data = analyse.build_report(loaded, run_dir, terminal=reason)
+            terminal = reason
+            data = analyse.build_report(loaded, run_dir, terminal=terminal)
+        attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note)
+        # built again so that its attempt history includes the run it reports (before, only a
+        # later re-render showed it)
+        data = analyse.build_report(loaded, run_dir, terminal=terminal)
     out_dir = opts.reports_root / loaded.exp.name / run_dir.name
     analyse.write_report(data, out_dir)
-    if not aa:
-        attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note)
     report.render_index(opts.reports_root)
     log(f"verdict: {data['verdict']}  report: {out_dir / 'index.html'}")
     return data["verdict"], out_dir, data

@@ -49,6 +49,9 @@ def test_slower_candidate_is_no_go(temp_repo):
     row = next(r for r in report["rows"] if r["shape"] == "small" and r["mode"] == "fwd")
     assert row["baseline"]["n"] == 3 * 5 and row["candidate"]["n"] == 3 * 5
     assert 0.2 < row["speedup"]["point"] < 0.6  # ~1/3, with CPU noise
+    # the report's attempt history holds the attempt of the very run it reports
+    mine = [a for a in report["phases"]["attempts"] if a.get("run_id") == report["run"]["id"]]
+    assert len(mine) == 1 and mine[0]["verdict"] == "NO-GO", report["phases"]["attempts"]
 
 
 def test_faster_candidate_is_go(temp_repo):

@@ -395,6 +395,21 @@ def _aa_noise(run: dict, rows: list[dict]) -> float | None:
 
 # --- the report ----------------------------------------------------------------------------------
 
+def _attempt_history(exp_dir: Path | None) -> tuple[list[dict], dict]:
+    """The experiment's attempt log and its state (profile/<experiment>/attempts.jsonl, state.json)."""
+    attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
+    state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
+    return attempts, state
+
+
+def with_attempt_history(report: dict, loaded: LoadedExperiment, run_dir: Path) -> dict:
+    """`report` with the attempt log as it stands now: `harness run` logs a run's attempt from the
+    verdict of its report, then publishes the report with that attempt in its history."""
+    attempts, state = _attempt_history(_experiment_dir(loaded, Path(run_dir)))
+    return {**report, "phases": {**report["phases"], "attempts": _clean(attempts),
+                                 "experiment_state": _clean(state) or None}}
+
+
 def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: str | None = None) -> dict:
     """report.json for one run directory (see module docstring). `terminal` names a reason the
     run stopped before candidate work (red baseline, failed pre-gate); it forces NO-GO."""
@@ -407,8 +422,7 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     shapes = _run_shapes(loaded, run)
     exp_dir = _experiment_dir(loaded, run_dir)
     phase_records, phase_verdicts = _phases(run_dir, exp_dir)
-    attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
-    state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
+    attempts, state = _attempt_history(exp_dir)
     aa_file = _read_json(run_dir / "aa.json") or {}
     # training rows: measured in the blocks (train_step/train_row records); a training.json phase
     # record, when present, supplies rows the blocks did not measure

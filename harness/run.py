@@ -45,12 +45,12 @@ class RunOptions:
     measure_anyway: str | None = None
 
 
-
 def invoked_command() -> str:
     """This process's command line as a user would type it again: `python -m harness ...` reads
     as `harness ...` (argv[0] is then .../harness/__main__.py), an entry point by its name."""
     prog = Path(sys.argv[0]).name
     return shlex.join(["harness" if prog == "__main__.py" else prog, *sys.argv[1:]])
+
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -259,9 +259,8 @@ def _report_phase(loaded, run_dir, opts, terminal, log) -> tuple[str, Path, dict
             terminal = reason
             data = analyse.build_report(loaded, run_dir, terminal=terminal)
         attempts.log_run(opts.profile_root, loaded.exp, data, run_dir, note=opts.note)
-        # built again so that its attempt history includes the run it reports (before, only a
-        # later re-render showed it)
-        data = analyse.build_report(loaded, run_dir, terminal=terminal)
+        # the published report's attempt history includes the run it reports
+        data = analyse.with_attempt_history(data, loaded, run_dir)
     out_dir = opts.reports_root / loaded.exp.name / run_dir.name
     analyse.write_report(data, out_dir)
     report.render_index(opts.reports_root)

@@ -788,7 +788,7 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
     from . import fwd
     p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
                              store_a=True)
-    if saved.get("Aqk") is not None and saved.get("Tinv") is not None:
+    if all(saved.get(n) is not None for n in KEPT_BY_DEFAULT):
         Aqk, Tinv = saved["Aqk"], saved["Tinv"]
         W, U = fwd.fwd_wu(k, v, G, beta, Tinv, lay)
     else:

@@ -823,5 +823,5 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
         saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout, Aqk=Aqk,
                      Tinv=Tinv)
         if keep_intermediates:
-            saved.update(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
+            saved.update(a=a, p=p, G=G, W=W, U=U, h=h, Delta=Delta)
     return o, S_fin, a_fin, saved

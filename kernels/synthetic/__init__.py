@@ -1,0 +1,1 @@
+"""Ops with a known amount of work, for measuring the instrument itself (experiments/power-*.yaml)."""

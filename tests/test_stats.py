@@ -1,4 +1,5 @@
-"""harness/stats.py against hand-computed values and direct numpy / scipy calls."""
+"""harness/stats.py against hand-computed values and direct numpy / scipy calls, and the coverage of
+its intervals measured by simulating the nested model (with the stopping rule of harness/measure)."""
 import math
 
 import numpy as np
@@ -6,8 +7,9 @@ import pytest
 from scipy import stats as st
 
 from harness import stats
-from harness.stats import (Interval, aa_noise_floor, geomean_speedup, mann_whitney_p, paired_block_speedup,
-                           reciprocal, summarize, time_ratio)
+from harness.measure import stopping
+from harness.stats import (Interval, Round, Series, geomean_interval, geomean_speedup, mann_whitney_p,
+                           paired_block_speedup, ratio_interval, reciprocal, summarize, time_ratio)
 
 
 def noisy_blocks(center, n_blocks=5, n=20, rel=0.01, seed=0):
@@ -43,162 +45,94 @@ def test_summary_small_n_is_explicit():
     assert empty.n == 0 and empty.median is None and empty.mean is None and empty.std is None
 
 
-# --- pooled medians of resampled blocks ----------------------------------------------------------
+# --- the nested estimator -------------------------------------------------------------------------
 
-def test_resampled_medians_equal_numpy_median_of_pooled_blocks():
-    rng = np.random.default_rng(5)
-    blocks = [rng.random(k) for k in (3, 7, 4, 1, 6)]
-    padded = stats._padded(blocks)
-    idx = rng.integers(0, len(blocks), size=(50, len(blocks)))
-    got = stats._resampled_medians(padded, idx)
-    want = [np.median(np.concatenate([blocks[i] for i in row])) for row in idx]
-    np.testing.assert_allclose(got, want)
+def series_of(pairs: dict[int, list[tuple[list[float], list[float]]]]) -> Series:
+    return Series({p: [Round(list(b), list(c)) for b, c in rounds] for p, rounds in pairs.items()})
 
 
-# --- speedup -------------------------------------------------------------------------------------
-
-def test_point_is_ratio_of_pooled_medians_by_hand():
-    iv = paired_block_speedup([[1, 2, 3], [4, 5, 6]], [[1, 1, 1], [2, 2, 2]])
-    assert iv.point == pytest.approx(3.5 / 1.5)
-    assert iv.n_blocks == 2 and iv.n_base_blocks == 2 and iv.n_cand_blocks == 2
-
-
-def test_exact_two_x_gives_two():
-    base = noisy_blocks(2.0, rel=0.05, seed=1)
-    cand = [[v / 2 for v in b] for b in base]
-    iv = paired_block_speedup(base, cand)
-    assert iv.point == pytest.approx(2.0)
-    assert iv.lo <= 2.0 + 1e-12 and iv.hi >= 2.0 - 1e-12
-    assert iv.hi - iv.lo < 1e-9  # every resample is exactly 2
-    assert iv.confidence == 0.95 and "percentile" in iv.method
-
-
-def test_two_x_with_independent_noise_interval_contains_two():
-    iv = paired_block_speedup(noisy_blocks(2.0, seed=1), noisy_blocks(1.0, seed=2))
-    assert iv.point == pytest.approx(2.0, rel=0.01)
-    assert iv.lo < 2.0 < iv.hi
-    assert iv.hi - iv.lo < 0.05
+def test_point_and_interval_by_hand():
+    # pair 0: rounds with ratios 2.0 and 2.2 (burst medians); pair 1: 1.8; pair 2: 2.1 and 1.9 and 2.0
+    s = series_of({
+        0: [([4.0, 4.1, 3.9], [2.0, 2.0, 2.0]), ([4.4], [2.0])],
+        1: [([3.6, 3.5, 3.7], [2.0, 2.1, 1.9])],
+        2: [([2.1], [1.0]), ([1.9], [1.0]), ([2.0], [1.0])],
+    })
+    pair_means = [np.mean([math.log(2.0), math.log(2.2)]), math.log(1.8),
+                  np.mean([math.log(2.1), math.log(1.9), math.log(2.0)])]
+    iv = ratio_interval(s)
+    center = np.mean(pair_means)
+    half = st.t.ppf(0.975, 2) * np.std(pair_means, ddof=1) / math.sqrt(3)
+    assert iv.point == pytest.approx(math.exp(center))
+    assert (iv.lo, iv.hi) == (pytest.approx(math.exp(center - half)), pytest.approx(math.exp(center + half)))
+    assert iv.n_blocks == 3 and iv.n_rounds == 6
+    assert iv.lo < iv.point < iv.hi and iv.rel_half_width == pytest.approx((iv.hi - iv.lo) / 2 / iv.point)
 
 
-def test_identical_sides_interval_around_one():
-    base = noisy_blocks(1.0, seed=4)
-    iv = paired_block_speedup(base, base)
-    assert iv.point == 1.0 and iv.lo == pytest.approx(1.0) and iv.hi == pytest.approx(1.0)
-    iv = paired_block_speedup(base, noisy_blocks(1.0, seed=9))
-    assert iv.lo < 1.0 < iv.hi
+def test_time_ratio_and_aa_control_are_the_same_estimator_on_other_sides():
+    s = Series({0: [Round([2.0], [1.0], [2.2])], 1: [Round([2.0], [1.1], [1.9])]})
+    assert ratio_interval(s, "cand", "base").point == pytest.approx(1 / ratio_interval(s).point)
+    aa = ratio_interval(s, "control", "base")
+    assert aa.point == pytest.approx(math.exp(np.mean([math.log(1.1), math.log(0.95)])))
+    tr = reciprocal(ratio_interval(s))
+    assert tr.lo == pytest.approx(1 / ratio_interval(s).hi)
 
 
-def test_interval_equals_direct_scipy_bootstrap():
-    base, cand = noisy_blocks(2.0, n_blocks=6, seed=1), noisy_blocks(1.0, n_blocks=6, seed=2)
-
-    def naive(idx):
-        idx = idx.astype(int)
-        return (np.median(np.concatenate([base[i] for i in idx]))
-                / np.median(np.concatenate([cand[i] for i in idx])))
-
-    ref = st.bootstrap((np.arange(6),), naive, vectorized=False, n_resamples=999, method="percentile",
-                       confidence_level=0.9, rng=np.random.default_rng(7))
-    iv = paired_block_speedup(base, cand, confidence=0.9, n_resamples=999, seed=7)
-    assert iv.boot_lo == pytest.approx(ref.confidence_interval.low)
-    assert iv.boot_hi == pytest.approx(ref.confidence_interval.high)
-    # the reported interval is the union with the paired t interval on the pairs' log ratios
-    logs = [math.log(np.median(b) / np.median(c)) for b, c in zip(base, cand)]
-    half = st.t.ppf(0.95, 5) * np.std(logs, ddof=1) / math.sqrt(6)
-    assert iv.t_lo == pytest.approx(math.exp(np.mean(logs) - half))
-    assert iv.t_hi == pytest.approx(math.exp(np.mean(logs) + half))
-    assert iv.lo == min(iv.boot_lo, iv.t_lo) and iv.hi == max(iv.boot_hi, iv.t_hi)
-    assert "paired t" in iv.method
+def test_drift_within_a_round_cancels():
+    # every round runs at a different speed (clock, temperature), both sides of it alike: exact 1.25x
+    s = Series()
+    for pair in range(3):
+        for r, drift in enumerate([1.0, 1.3, 0.8, 1.2]):
+            s.add(pair, Round([2.0 * drift] * 5, [1.6 * drift] * 5))
+    iv = ratio_interval(s)
+    assert iv.point == pytest.approx(1.25) and iv.lo == pytest.approx(1.25) and iv.hi == pytest.approx(1.25)
 
 
-def test_drift_cancels_through_pairing():
-    # both sides drift together by +-30% between blocks; the candidate is 1.25x faster in each pair
-    drift = [1.0, 1.3, 0.8, 1.2, 0.7, 1.1]
-    base = [[2.0 * d] * 10 for d in drift]
-    cand = [[1.6 * d] * 10 for d in drift]
-    iv = paired_block_speedup(base, cand)
-    assert iv.lo == pytest.approx(1.25) and iv.hi == pytest.approx(1.25)
+def test_one_pair_gives_no_interval_and_says_why():
+    s = series_of({0: [([2.0], [1.0]), ([2.1], [1.0])]})
+    iv = ratio_interval(s)
+    assert iv.point == pytest.approx(math.sqrt(2.0 * 2.1)) and iv.lo is None and "1 worker pair" in iv.note
+    empty = ratio_interval(Series())
+    assert empty.point is None and "no base and cand samples" in empty.note
 
 
-def test_deterministic_given_seed():
+def test_per_process_offsets_widen_the_interval_rounds_cannot_narrow():
+    """Offsets between pairs are seen only across pairs: 50 rounds per pair do not shrink them."""
+    rng = np.random.default_rng(1)
+
+    def run(rounds):
+        s = Series()
+        for pair in range(4):
+            off_b, off_c = np.exp(rng.normal(0, 0.01, 2))  # a 1% process offset per worker
+            for _ in range(rounds):
+                s.add(pair, Round(list(off_b * (1 + 0.001 * rng.standard_normal(5))),
+                                  list(off_c * (1 + 0.001 * rng.standard_normal(5)))))
+        return ratio_interval(s)
+
+    few, many = run(5), run(50)
+    assert few.rel_half_width > 0.003 and many.rel_half_width > 0.003
+    assert many.var_between > 10 * many.var_within / 50  # the model attributes the width to the pairs
+
+
+def test_blocks_of_the_first_engine_are_pairs_with_one_round():
     base, cand = noisy_blocks(2.0, seed=1), noisy_blocks(1.0, seed=2)
-    a = paired_block_speedup(base, cand, seed=11)
-    b = paired_block_speedup(base, cand, seed=11)
-    c = paired_block_speedup(base, cand, seed=12)
-    assert (a.lo, a.hi) == (b.lo, b.hi)
-    assert (a.boot_lo, a.boot_hi) != (c.boot_lo, c.boot_hi)
-
-
-def test_three_blocks_and_degenerate_bca_do_not_crash():
-    same = [[1.0, 1.0]] * 3
-    iv = paired_block_speedup(same, same, method="BCa")
-    assert (iv.point, iv.lo, iv.hi) == (1.0, 1.0, 1.0)
-    assert "percentile" in iv.method and "BCa" in iv.note
-    iv = paired_block_speedup(noisy_blocks(2.0, 3, seed=1), noisy_blocks(1.0, 3, seed=2))
-    assert iv.lo is not None and iv.lo <= iv.hi
-
-
-def test_fewer_than_two_pairs_has_no_interval():
-    iv = paired_block_speedup([[2.0, 2.0]], [[1.0, 1.0]])
-    assert iv.point == 2.0 and iv.lo is None and iv.hi is None
-    iv = paired_block_speedup([], [[1.0]])
-    assert iv.point is None and iv.lo is None
-
-
-def test_unequal_block_counts_pair_first_min_and_say_so():
-    base = noisy_blocks(2.0, n_blocks=5, seed=1)
-    cand = noisy_blocks(1.0, n_blocks=3, seed=2)
     iv = paired_block_speedup(base, cand)
-    assert iv.n_blocks == 3 and iv.n_base_blocks == 5 and iv.n_cand_blocks == 3
-    assert "first 3" in iv.note
-    # the point uses the same paired blocks as the interval, so it cannot fall outside it
-    assert iv.point == pytest.approx(np.median(np.concatenate(base[:3])) / np.median(np.concatenate(cand)))
+    logs = [math.log(np.median(b) / np.median(c)) for b, c in zip(base, cand)]
+    assert iv.point == pytest.approx(math.exp(np.mean(logs)))
+    half = st.t.ppf(0.975, 4) * np.std(logs, ddof=1) / math.sqrt(5)
+    assert iv.hi == pytest.approx(math.exp(np.mean(logs) + half))
+    assert iv.n_blocks == 5 and iv.n_rounds == 5
 
 
-# --- geomean, time ratio, noise floor ------------------------------------------------------------
-
-def test_geomean_of_known_speedups():
-    b1 = noisy_blocks(2.0, seed=1)
-    b2 = noisy_blocks(5.0, seed=2)
-    rows = [(b1, [[v / 2 for v in b] for b in b1]), (b2, [[v / 8 for v in b] for b in b2])]
-    iv = geomean_speedup(rows)
-    assert iv.point == pytest.approx(4.0)  # sqrt(2 * 8)
-    assert iv.lo == pytest.approx(4.0) and iv.hi == pytest.approx(4.0)
-
-
-def test_geomean_interval_uses_joint_resamples():
-    rows = [(noisy_blocks(2.0, seed=1), noisy_blocks(1.0, seed=2)),
-            (noisy_blocks(3.0, seed=3), noisy_blocks(1.0, seed=4))]
-    iv = geomean_speedup(rows, n_resamples=999, seed=3)
-    s1 = paired_block_speedup(*rows[0]).point
-    s2 = paired_block_speedup(*rows[1]).point
-    assert iv.point == pytest.approx(math.sqrt(s1 * s2))
-    assert iv.lo < iv.point < iv.hi
-
-    def naive(idx):
-        idx = idx.astype(int)
-        logs = [np.log(np.median(np.concatenate([b[i] for i in idx])) / np.median(np.concatenate([c[i] for i in idx])))
-                for b, c in rows]
-        return np.exp(np.mean(logs))
-
-    ref = st.bootstrap((np.arange(5),), naive, vectorized=False, n_resamples=999, method="percentile",
-                       rng=np.random.default_rng(3))
-    assert iv.boot_lo == pytest.approx(ref.confidence_interval.low)
-    assert iv.boot_hi == pytest.approx(ref.confidence_interval.high)
-    pair_logs = [np.mean([math.log(np.median(b[i]) / np.median(c[i])) for b, c in rows]) for i in range(5)]
-    assert iv.t_lo == pytest.approx(math.exp(np.mean(pair_logs) - st.t.ppf(0.975, 4) * np.std(pair_logs, ddof=1)
-                                             / math.sqrt(5)))
-    assert iv.lo <= iv.boot_lo and iv.hi >= iv.boot_hi
-
-
-def test_geomean_with_an_empty_row_has_no_point():
-    iv = geomean_speedup([(noisy_blocks(2.0), noisy_blocks(1.0)), (noisy_blocks(2.0), [])])
-    assert iv.point is None and iv.lo is None
+def test_unequal_block_counts_pair_the_first_min_and_say_so():
+    iv = paired_block_speedup(noisy_blocks(2.0, n_blocks=5, seed=1), noisy_blocks(1.0, n_blocks=3, seed=2))
+    assert iv.n_blocks == 3 and iv.n_base_blocks == 5 and iv.n_cand_blocks == 3 and "first 3" in iv.note
+    assert iv.lo <= iv.point <= iv.hi
 
 
 def test_time_ratio_is_reciprocal_of_speedup():
     base, cand = noisy_blocks(1.0, seed=1), noisy_blocks(1.1, seed=2)
-    sp = paired_block_speedup(base, cand, seed=5)
-    tr = time_ratio(base, cand, seed=5)
+    sp, tr = paired_block_speedup(base, cand), time_ratio(base, cand)
     assert tr.point == pytest.approx(1 / sp.point)
     assert tr.lo == pytest.approx(1 / sp.hi) and tr.hi == pytest.approx(1 / sp.lo)
     assert tr.lo < 1.1 < tr.hi
@@ -206,13 +140,32 @@ def test_time_ratio_is_reciprocal_of_speedup():
     assert empty.point is None and empty.lo is None
 
 
-def test_aa_noise_floor_is_half_width():
-    a, b = noisy_blocks(1.0, rel=0.02, seed=1), noisy_blocks(1.0, rel=0.02, seed=2)
-    iv = paired_block_speedup(a, b, seed=0)
-    assert aa_noise_floor(a, b) == pytest.approx((iv.hi - iv.lo) / 2)
-    assert 0 < aa_noise_floor(a, b) < 0.02
-    assert aa_noise_floor(a, a) == 0.0
-    assert math.isnan(aa_noise_floor([[1.0]], [[1.0]]))
+# --- geomean -------------------------------------------------------------------------------------
+
+def test_geomean_over_the_pairs_every_row_shares():
+    a = series_of({p: [([2.0 * (1 + 0.01 * p)], [1.0])] for p in range(4)})
+    b = series_of({p: [([8.0], [1.0 * (1 - 0.01 * p)])] for p in range(4)})
+    iv = geomean_interval([a, b])
+    per_pair = [np.mean([math.log(2.0 * (1 + 0.01 * p)), math.log(8.0 / (1 - 0.01 * p))]) for p in range(4)]
+    assert iv.point == pytest.approx(math.exp(np.mean(per_pair)))
+    half = st.t.ppf(0.975, 3) * np.std(per_pair, ddof=1) / 2
+    assert iv.lo == pytest.approx(math.exp(np.mean(per_pair) - half))
+    # a pair that measured only one row is left out, and the note says so
+    b.add(9, Round([8.0], [1.0]))
+    assert "pairs [9]" in geomean_interval([a, b]).note
+
+
+def test_geomean_of_rows_without_shared_pairs_combines_them_as_independent():
+    a = series_of({0: [([2.0], [1.0])], 1: [([2.2], [1.0])]})
+    b = series_of({5: [([3.0], [1.0])], 6: [([3.3], [1.0])]})
+    iv = geomean_interval([a, b])
+    assert "independent" in iv.note and iv.lo < iv.point < iv.hi
+    assert iv.point == pytest.approx(math.sqrt(ratio_interval(a).point * ratio_interval(b).point))
+
+
+def test_geomean_with_an_empty_row_has_no_point():
+    iv = geomean_speedup([(noisy_blocks(2.0), noisy_blocks(1.0)), (noisy_blocks(2.0), [])])
+    assert iv.point is None and iv.lo is None
 
 
 def test_mann_whitney_matches_scipy():
@@ -222,36 +175,61 @@ def test_mann_whitney_matches_scipy():
     assert math.isnan(mann_whitney_p([], [1.0]))
 
 
-def test_point_lies_inside_its_interval_when_block_counts_differ():
-    from harness.stats import paired_block_speedup
+# --- coverage, measured --------------------------------------------------------------------------
 
-    base = [[10.0, 10.2, 9.9], [10.1, 10.0, 10.3], [10.2, 9.8, 10.0], [30.0, 31.0, 29.0]]  # a slow extra block
-    cand = [[5.0, 5.1, 4.9], [5.05, 5.0, 5.1], [5.1, 4.95, 5.0]]
-    iv = paired_block_speedup(base, cand, n_resamples=999, seed=1)
-    assert iv.n_blocks == 3 and "first 3" in iv.note
-    assert iv.lo <= iv.point <= iv.hi
-    assert abs(iv.point - 2.0) < 0.05
-
-
-def test_three_pairs_union_keeps_its_coverage_where_the_bootstrap_alone_does_not():
-    """Process-to-process spread (each block's level drawn anew, independently per side) with a
-    true speedup of 1.0 and 3 block pairs, as the H200 runs have: the percentile bootstrap alone
-    covers the truth in at most ~75% of runs; the union with the paired t interval in >= 90%."""
-    rng = np.random.default_rng(0)
-    boot_hits = union_hits = 0
-    trials = 300
-    for k in range(trials):
-        levels = np.exp(rng.normal(0, 0.1, size=(2, 3)))  # per-process level, 10% spread
-        base = [list(1.5 * lv * (1 + 0.005 * rng.standard_normal(10))) for lv in levels[0]]
-        cand = [list(1.5 * lv * (1 + 0.005 * rng.standard_normal(10))) for lv in levels[1]]
-        iv = paired_block_speedup(base, cand, n_resamples=999, seed=k)
-        boot_hits += iv.boot_lo <= 1.0 <= iv.boot_hi
-        union_hits += iv.lo <= 1.0 <= iv.hi
-    assert boot_hits / trials < 0.85, boot_hits
-    assert union_hits / trials >= 0.9, union_hits
+def simulate(rng, truth, pairs, rounds, offset_sd, round_sd, call_sd=0.002, calls=5, drift_sd=0.01) -> Series:
+    """The nested model: per worker a process offset; per round a drift shared by its bursts; per
+    round and worker a round-to-round wobble; per call noise."""
+    s = Series()
+    for pair in range(pairs):
+        ob, oc = np.exp(rng.normal(0, offset_sd, 2))
+        for _ in range(rounds):
+            drift = math.exp(rng.normal(0, drift_sd))
+            wb, wc = np.exp(rng.normal(0, round_sd, 2))
+            s.add(pair, Round(list(truth * ob * wb * drift * np.exp(rng.normal(0, call_sd, calls))),
+                              list(ob / ob * oc * wc * drift * np.exp(rng.normal(0, call_sd, calls)))))
+    return s
 
 
-def test_time_ratio_carries_both_component_intervals():
-    base, cand = noisy_blocks(2.0, seed=1), noisy_blocks(1.0, seed=2)
-    sp, tr = paired_block_speedup(base, cand), time_ratio(base, cand)
-    assert tr.t_lo == pytest.approx(1 / sp.t_hi) and tr.boot_hi == pytest.approx(1 / sp.boot_lo)
+@pytest.mark.parametrize("pairs,offset_sd", [(3, 0.005), (3, 0.02), (6, 0.005)])
+def test_interval_covers_the_truth_at_its_nominal_rate(pairs, offset_sd):
+    """95% intervals over simulated runs with per-process offsets (0.5% and 2%, the H200's range for a
+    compute-bound row) cover a 1.02 truth in at least 93% of runs (binomial sd at 600 runs: 0.9%)."""
+    rng = np.random.default_rng(7)
+    hits = sum(ratio_interval(simulate(rng, 1.02, pairs, 10, offset_sd, 0.003)).contains(1.02) for _ in range(600))
+    assert hits / 600 >= 0.93, hits
+
+
+def stopped_run(rng, truth, offset_sd, round_sd, lim, pairs=3) -> tuple[Interval, str]:
+    """One run as the driver makes it: rounds and pairs added to the same data until the rule stops."""
+    s, offsets, counts = Series(), {}, {}
+    target = lim.min_rounds
+    while True:
+        for pair in range(pairs):
+            ob, oc = offsets.setdefault(pair, np.exp(rng.normal(0, offset_sd, 2)))
+            for _ in range(target - counts.get(pair, 0)):
+                drift = math.exp(rng.normal(0, 0.01))
+                wb, wc = np.exp(rng.normal(0, round_sd, 2))
+                s.add(pair, Round(list(truth * ob * wb * drift * np.exp(rng.normal(0, 0.002, 5))),
+                                  list(oc * wc * drift * np.exp(rng.normal(0, 0.002, 5)))))
+            counts[pair] = target
+        iv = ratio_interval(s)
+        d = stopping.decide(iv, pairs, target, 0.0, lim)
+        if d.stop:
+            return iv, d.stop
+        pairs, target = pairs + d.add_pairs, max(target, d.rounds)
+
+
+@pytest.mark.parametrize("offset_sd", [0.001, 0.003])
+def test_coverage_with_the_stopping_rule(offset_sd):
+    """Stopping when the half-width reaches 0.5% selects runs whose spread happened to be small, so
+    the interval covers a little less than at a fixed design: measured 92.5-95.5% over 400 runs
+    (fixed designs: 94-95%; docs/perf/measurement.md). This pins it at >= 91% and checks that every
+    resolved run's half-width is <= 0.5%."""
+    rng = np.random.default_rng(5)
+    lim = stopping.Limits(target=0.005, min_rounds=10, max_rounds=40, max_pairs=12, budget_s=1e9)
+    runs = [stopped_run(rng, 1.0, offset_sd, 0.004, lim) for _ in range(300)]
+    coverage = sum(iv.contains(1.0) for iv, _ in runs) / len(runs)
+    assert coverage >= 0.91, coverage
+    assert all(iv.rel_half_width <= 0.005 for iv, why in runs if why == "resolved")
+    assert sum(why == "resolved" for _, why in runs) >= 0.97 * len(runs)

@@ -1,5 +1,8 @@
-"""Interleaved blocks: the plan (ABBA... or seeded random) and the loop that runs each block in a
-fresh worker process, resuming from the last complete block after a crash.
+"""The first measurement engine (`measure.engine: blocks`): interleaved blocks, the plan (ABBA... or
+seeded random) and the loop that runs each block in a fresh worker process, resuming from the last
+complete block after a crash. The default engine is harness/measure/ (lockstep side workers); both
+take their settings from `BenchSettings`, and the pieces both need (a side's op and environment)
+live here.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Callable
 from harness.progress import Progress, as_progress
 from harness.records import Block, append_jsonl, completed_blocks, declared_side, load_blocks
 from harness.revisions import Revisions, check_unmoved
-from harness.spec import SIDES, LoadedExperiment, Shape, TrainingRow
+from harness.spec import SIDES, LoadedExperiment, MeasureSpec, Shape, TrainingRow
 
 HARNESS_ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +53,7 @@ class BenchSettings:
     stage_iters: int  # profiled calls per row and block for stage times
     training: tuple[TrainingRow, ...] = ()  # the cpu profile's rows of the same names on a CPU run
     aa: bool = False  # A/A: both plan sides run the baseline's declaration (ref, op, env)
+    measure: MeasureSpec = MeasureSpec()  # the experiment's `measure:` (the cpu profile's on a CPU run)
 
     @classmethod
     def for_machine(cls, loaded: LoadedExperiment, cpu_mode: bool) -> "BenchSettings":
@@ -62,16 +66,18 @@ class BenchSettings:
         if cpu_mode and exp.cpu is not None:
             c = exp.cpu
             return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True,
-                       stage_iters=c.stage_iters, training=training)
+                       stage_iters=c.stage_iters, training=training,
+                       measure=c.measure.model_copy(update={"engine": exp.measure.engine}))
         dtype = "float32" if cpu_mode else exp.dtype
         return cls(list(exp.shapes), dtype, exp.blocks, exp.samples_per_block, exp.warmup,
                    "wall" if cpu_mode else exp.timing, exp.l2_flush and not cpu_mode, cpu_mode,
-                   stage_iters=exp.stage_iters, training=training)
+                   stage_iters=exp.stage_iters, training=training, measure=exp.measure)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
         d["shapes"] = [s.model_dump(exclude_none=True) for s in self.shapes]
         d["training"] = [t.model_dump() for t in self.training]
+        d["measure"] = self.measure.model_dump()
         return d
 
 

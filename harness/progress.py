@@ -98,6 +98,7 @@ class Progress:
         self.durations: list[float] = []  # seconds of each block finished by this process
         self.block: dict | None = None  # the running block: index, total, side, sha, t0, rows
         self.samples: dict[tuple[str, str], dict[str, list[float]]] = {}  # (shape, mode) -> side -> ms
+        self.measure: dict | None = None  # the lockstep engine's rows: plan, the row in rounds, rows finished
         self.lock = threading.RLock()
 
     # --- events -------------------------------------------------------------------------------------
@@ -142,6 +143,30 @@ class Progress:
             self.block = None
             self._add_samples(block)
             return seconds
+
+    # the lockstep engine (harness/measure/driver.py): rows measured in rounds by worker pairs
+    def measure_plan(self, rows: list[str], pairs: int, workers_per_pair: int) -> None:
+        with self.lock:
+            self.measure = {"rows": list(rows), "pairs": pairs, "per_pair": workers_per_pair, "current": None,
+                            "finished": []}
+
+    def row_started(self, row: str, basis: str, pairs: int) -> None:
+        with self.lock:
+            if self.measure is not None:
+                self.measure["current"] = {"row": row, "basis": basis, "pairs": pairs, "done": 0, "target": 0,
+                                           "t0": self.clock()}
+
+    def rounds_progress(self, row: str, basis: str, done: int, target: int, pairs: int) -> None:
+        with self.lock:
+            cur = (self.measure or {}).get("current")
+            if cur is not None:
+                cur.update(done=done, target=target, pairs=pairs)
+
+    def row_finished(self, row: str, basis: str, reason: str, detail: str, point, lo, hi) -> None:
+        with self.lock:
+            if self.measure is not None:
+                self.measure["current"] = None
+                self.measure["finished"].append((row, basis, reason, point, lo, hi))
 
     def close(self) -> None:
         pass
@@ -240,6 +265,19 @@ class QuietProgress(Progress):
                   f" (eta {fmt_duration(eta) if eta is not None else '?'}, {self.pending} to go)")
         return seconds
 
+    def measure_plan(self, rows, pairs, workers_per_pair) -> None:
+        super().measure_plan(rows, pairs, workers_per_pair)
+        self.emit(f"[measure] {len(rows)} rows, {pairs} worker pairs of {workers_per_pair} processes to start with")
+
+    def row_started(self, row, basis, pairs) -> None:
+        super().row_started(row, basis, pairs)
+        self.emit(f"[row] {row} {basis}: rounds with {pairs} pairs")
+
+    def row_finished(self, row, basis, reason, detail, point, lo, hi) -> None:
+        super().row_finished(row, basis, reason, detail, point, lo, hi)
+        self.emit(f"[row] {row} {basis}: {fmt_speedup(point, lo, hi)}; {reason}: {detail} "
+                  f"(at {fmt_duration(self.elapsed())})")
+
     def close(self) -> None:
         if self._closed:
             return
@@ -250,6 +288,12 @@ class QuietProgress(Progress):
             for line in medians_lines(rows):
                 self.emit(line)
         self.emit(f"[end] elapsed {fmt_duration(self.elapsed())}")
+
+
+def fmt_speedup(point, lo, hi) -> str:
+    if point is None:
+        return "no speedup"
+    return f"speedup {point:.4f}x" + (f" [{lo:.4f}, {hi:.4f}]" if lo is not None and hi is not None else " (no interval)")
 
 
 def medians_lines(rows) -> list[str]:
@@ -295,6 +339,24 @@ class RichProgress(Progress):
         super().block_started(index, total, side, sha, rows)
         self._refresh()
 
+    def measure_plan(self, rows, pairs, workers_per_pair) -> None:
+        super().measure_plan(rows, pairs, workers_per_pair)
+        self._refresh()
+
+    def row_started(self, row, basis, pairs) -> None:
+        super().row_started(row, basis, pairs)
+        self._refresh()
+
+    def rounds_progress(self, row, basis, done, target, pairs) -> None:
+        super().rounds_progress(row, basis, done, target, pairs)
+        self._refresh()
+
+    def row_finished(self, row, basis, reason, detail, point, lo, hi) -> None:
+        super().row_finished(row, basis, reason, detail, point, lo, hi)
+        self.console.print(f"{row} {basis}: {fmt_speedup(point, lo, hi)} ({reason}: {detail})",
+                           markup=False, highlight=False)
+        self._refresh()
+
     def block_finished(self, block: Block) -> float | None:
         seconds = super().block_finished(block)
         if block.status != "ok":
@@ -330,6 +392,13 @@ class RichProgress(Progress):
                                  f"{n}/{total}")
                 if b["rows"]:
                     parts.append(grid)
+            m = self.measure
+            cur = m.get("current") if m else None
+            if cur is not None:
+                parts.append(Text.assemble(f"row {len(m['finished']) + 1}: ", (cur["row"], "bold"),
+                                           f" {cur['basis']}  {cur['pairs']} pairs  "
+                                           f"rounds {cur['done']}/{cur['target']}  "
+                                           f"{fmt_duration(self.clock() - cur['t0'])}"))
             rows = self.median_rows()
         if rows:
             t = Table(box=box.SIMPLE_HEAD, title="medians so far (ms)", title_justify="left", show_edge=False)

@@ -102,9 +102,13 @@ def _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts) -> dict
         "host": socket.gethostname(), "commands": [invoked_command()],
         "started": _now(), "finished": None, "note": opts.note,
         "revisions": revisions.to_json(), "plan": [{"block": i, "side": s} for i, s in enumerate(plan)],
-        "timing": {"method": settings.timing, "l2_flush": settings.l2_flush,
-                   "samples_per_block": settings.samples_per_block, "warmup": settings.warmup,
-                   "quantiles": "numpy linear (type 7)"},
+        "timing": ({"method": settings.timing, "l2_flush": settings.l2_flush,
+                    "samples_per_block": settings.samples_per_block, "warmup": settings.warmup,
+                    "quantiles": "numpy linear (type 7)"} if settings.measure.engine == "blocks" else
+                   {"method": "lockstep rounds: CUDA-graph replay where every worker captures the call, "
+                              "eager CUDA events otherwise and beside it" + (" (perf_counter on a CPU)" if cpu_mode else ""),
+                    "l2_flush": settings.l2_flush, "calls_per_burst": settings.measure.calls_per_burst,
+                    "warmup": settings.warmup, "quantiles": "numpy linear (type 7)"}),
         "dtype": settings.dtype, "settings": settings.to_json(), "slurm": _slurm_env(),
     }
 
@@ -158,7 +162,7 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
             revisions = rev.Revisions(repo=revisions.repo, baseline=revisions.baseline, candidate=rev.ResolvedSide(
                 **{**revisions.baseline.__dict__, "side": "candidate"}))
         settings = replace(BenchSettings.for_machine(loaded, cpu_mode), aa=opts.aa)
-        plan = block_plan(settings.blocks_per_side, exp.order, exp.seed)
+        plan = block_plan(settings.blocks_per_side, exp.order, exp.seed) if settings.measure.engine == "blocks" else []
         manifest = _manifest(loaded, run_id, revisions, settings, plan, cpu_mode, opts)
         log(f"run {run_id}: baseline {revisions.baseline.sha[:12]} vs candidate {revisions.candidate.sha[:12]}"
             f" ({revisions.candidate.ref}){' [CPU smoke test: Triton interpreter, fp32]' if cpu_mode else ''}")
@@ -178,7 +182,12 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
         _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
     if measure:
         log.phase("bench")
-        run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
+        if settings.measure.engine == "lockstep":
+            from harness.measure.driver import run_measurement
+
+            run_measurement(loaded, revisions, run_dir, settings, opts.profile_root, log=log)
+        else:
+            run_blocks(loaded, revisions, run_dir, settings, opts.profile_root, plan, log=log)
         if not opts.bench_only:
             _ncu_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 # Names reach file paths, git branch names and sbatch scripts: keep them to a safe alphabet.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -206,10 +206,20 @@ class _Gate(Strict):
     description: str = ""
 
 
-# What a whole-call timing gate reads: "wall" = the call's CUDA-event (or wall-clock) samples, host
-# launch time included; "device" = the summed time of every kernel and copy of the call, from the
-# `stage_iters` profiled calls per block (launch-bound rows move by host noise alone in wall time).
-Basis = Literal["wall", "device"]
+# What a whole-call timing gate reads (harness/measure/ measures each):
+#   "graph"  CUDA-graph replay of the call, timed with CUDA events: device time without host launch
+#            noise (rows whose call cannot be captured, e.g. a host sync on cu_seqlens, have none);
+#   "eager"  the call as users run it, CUDA events around it (perf_counter on a CPU): host launch
+#            time included ("wall" is read as "eager", the name older files use);
+#   "device" the summed time of every kernel and copy of the call, from the `stage_iters` profiled
+#            calls per worker;
+#   "auto"   the row's primary basis: graph where the call could be captured on every worker, else eager.
+Basis = Literal["auto", "graph", "eager", "device"]
+TIMED_BASES = ("graph", "eager")  # the bases measured in lockstep rounds
+
+
+def _basis_name(v):
+    return "eager" if v == "wall" else v
 
 
 class SpeedupGate(_Gate):
@@ -220,7 +230,7 @@ class SpeedupGate(_Gate):
     mode: Mode = "fwdbwd"
     stage: str | None = None  # a key of `stages`; None = the whole call
     threshold: float = Field(gt=0)
-    basis: Basis = "wall"
+    basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
 class GeomeanGate(_Gate):
@@ -228,7 +238,7 @@ class GeomeanGate(_Gate):
     rows: list[str] = Field(min_length=1)
     mode: Mode = "fwdbwd"
     threshold: float = Field(gt=0)
-    basis: Basis = "wall"
+    basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
 class NonRegressionGate(_Gate):
@@ -238,7 +248,7 @@ class NonRegressionGate(_Gate):
     rows: list[str] | Literal["all"] = "all"
     modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
     margin: float = Field(gt=0, lt=1)
-    basis: Basis = "wall"
+    basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
 class PeakAllocGate(_Gate):
@@ -442,6 +452,39 @@ class SlurmSpec(Strict):
     exclusive: bool = False
 
 
+class MeasureSpec(Strict):
+    """How a comparison is measured (harness/measure/). `engine: lockstep` (the default): per side a
+    long-lived worker process, warmed once, driven by the parent in rounds (one burst of
+    `calls_per_burst` timed calls per side, the side order alternating), by `pairs` worker pairs
+    (fresh processes) at first; per row and basis, rounds go on until the interval's half-width is at
+    most `target_half_width` (a fraction: 0.005 = +-0.5%) or the row has used `row_budget_s` seconds,
+    adding pairs (up to `max_pairs`) when per-process offsets, not round-to-round noise, keep it wide.
+    `control`: a third worker per pair runs the baseline again, the A/A control whose interval is the
+    run's noise floor. `engine: blocks`: the first engine (a fresh process per block, `blocks`,
+    `samples_per_block`, `order`), kept as an option."""
+
+    engine: Literal["lockstep", "blocks"] = "lockstep"
+    pairs: int = Field(default=3, ge=2, le=64)
+    max_pairs: int = Field(default=8, ge=2, le=64)
+    calls_per_burst: int = Field(default=5, ge=1, le=10_000)
+    min_rounds: int = Field(default=10, ge=1, le=100_000)
+    max_rounds: int = Field(default=60, ge=1, le=100_000)  # per pair, row and basis
+    target_half_width: float = Field(default=0.005, gt=0, lt=1)
+    row_budget_s: float = Field(default=120.0, gt=0, le=86_400)  # per row and gated basis
+    control: bool = True
+    graph: bool = True  # try CUDA-graph capture of every row (eager only when false)
+    eager: bool = True  # measure eager timing too where the primary basis is graph
+    secondary_rounds: int = Field(default=10, ge=1, le=100_000)  # rounds of a basis no gate reads
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "MeasureSpec":
+        if self.max_pairs < self.pairs:
+            raise ValueError(f"max_pairs ({self.max_pairs}) must be >= pairs ({self.pairs})")
+        if self.max_rounds < self.min_rounds:
+            raise ValueError(f"max_rounds ({self.max_rounds}) must be >= min_rounds ({self.min_rounds})")
+        return self
+
+
 class CpuProfile(Strict):
     """What the same command runs on a machine without a GPU: a small fp32 smoke test."""
 
@@ -452,6 +495,9 @@ class CpuProfile(Strict):
     blocks: int = Field(default=3, ge=3)
     training: list[TrainingRow] | None = None  # small rows under the same names as `training`
     stage_iters: int = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
+    # the lockstep engine on a CPU (no GPU verdict either way): few pairs and rounds, one call a burst
+    measure: MeasureSpec = Field(default_factory=lambda: MeasureSpec(
+        pairs=2, max_pairs=2, calls_per_burst=1, min_rounds=2, max_rounds=2, secondary_rounds=1))
 
 
 class Experiment(Strict):
@@ -481,6 +527,7 @@ class Experiment(Strict):
     profile: ProfileSpec | None = None
     ncu: NcuSpec | None = None
     slurm: SlurmSpec = Field(default_factory=SlurmSpec)
+    measure: MeasureSpec = Field(default_factory=MeasureSpec)
     cpu: CpuProfile | None = None
 
     @field_validator("name")

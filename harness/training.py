@@ -67,51 +67,74 @@ def build(row: dict, op, device) -> tuple[torch.nn.Module, torch.optim.Optimizer
     return model, opt
 
 
-def train_steps(row: dict, op, device, on_step: Callable[[int, bool, float, float], None]) -> dict:
-    """Build and train one row; `on_step(step, warmup, ms, loss)` after every step. Returns the
-    row's summary (first/final loss, peak bytes, parameter count)."""
-    cuda = device == "cuda" or str(device).startswith("cuda")
-    model, opt = build(row, op, device)
-    ids, labels, cu = make_batch(row, device)
+class TrainingRun:
+    """One training row, built and ready to step: the model, optimizer and batch of `row`, around `op`."""
 
-    def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        loss = model(ids, labels=labels, cu_seqlens=cu)
+    def __init__(self, row: dict, op, device):
+        self.row = row
+        self.cuda = device == "cuda" or str(device).startswith("cuda")
+        self.model, self.opt = build(row, op, device)
+        self.ids, self.labels, self.cu = make_batch(row, device)
+        self.first_loss = self.final_loss = None
+        self.steps_done = 0
+
+    def _step(self) -> torch.Tensor:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(self.ids, labels=self.labels, cu_seqlens=self.cu)
         loss.backward()
-        opt.step()
+        self.opt.step()
         return loss.detach()
 
-    first = final = None
-    peak = None
-    warm, timed = int(row["warmup_steps"]), int(row["steps"])
-    for i in range(warm + timed):
-        warmup = i < warm
-        if i == warm and cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        if cuda:
+    def step(self, warmup: bool = False) -> tuple[float, float]:
+        """One optimizer step: (ms, loss), timed with CUDA events on a GPU (perf_counter on a CPU).
+        A non-finite loss raises FloatingPointError."""
+        if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            loss = step()
+            loss = self._step()
             end.record()
             end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            loss = step()
+            loss = self._step()
             ms = (time.perf_counter() - t0) * 1e3
         value = float(loss.item())
-        on_step(i, warmup, ms, value)
         if not math.isfinite(value):
-            raise FloatingPointError(f"non-finite loss {value} at step {i}{' (warm-up)' if warmup else ''}")
-        if i == 0:
-            first = value
-        final = value
-    if cuda:
-        torch.cuda.synchronize()
-        peak = int(torch.cuda.max_memory_allocated())
-    return {"first_loss": first, "final_loss": final, "peak_bytes": peak,
-            "params": sum(p.numel() for p in model.parameters())}
+            raise FloatingPointError(f"non-finite loss {value} at step {self.steps_done}{' (warm-up)' if warmup else ''}")
+        if self.steps_done == 0:
+            self.first_loss = value
+        self.final_loss = value
+        self.steps_done += 1
+        return ms, value
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def summary(self) -> dict:
+        """First/final loss, the peak allocation since reset_peak (CUDA only), parameter count."""
+        peak = None
+        if self.cuda:
+            torch.cuda.synchronize()
+            peak = int(torch.cuda.max_memory_allocated())
+        return {"first_loss": self.first_loss, "final_loss": self.final_loss, "peak_bytes": peak,
+                "params": sum(p.numel() for p in self.model.parameters())}
+
+
+def train_steps(row: dict, op, device, on_step: Callable[[int, bool, float, float], None]) -> dict:
+    """Build and train one row; `on_step(step, warmup, ms, loss)` after every step. Returns the
+    row's summary (first/final loss, peak bytes over the timed steps, parameter count)."""
+    run = TrainingRun(row, op, device)
+    warm, timed = int(row["warmup_steps"]), int(row["steps"])
+    for i in range(warm + timed):
+        warmup = i < warm
+        if i == warm:
+            run.reset_peak()
+        ms, loss = run.step(warmup)
+        on_step(i, warmup, ms, loss)
+    return run.summary()
 
 
 def run_training_rows(job: dict, emit: Callable[..., None], op, device) -> None:

@@ -1,0 +1,124 @@
+"""Timing one burst of calls, eagerly or as CUDA-graph replays, with the L2 flushed before each call.
+
+Both methods time every call with a pair of CUDA events around it and wait for its end before the
+next (perf_counter around a synchronised call on a CPU): each call starts from an idle device with
+a cold L2, as the first engine did. Eager includes the host's launch time wherever the device waits
+for it (that is real for users, and noisy: on the H200 a launch-bound row's eager medians moved up to
+38% between processes); graph replay is one launch, so it is device time without host noise.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+
+class L2Flush:
+    """Writes twice the L2's size before each timed call, so no call finds the last one's data."""
+
+    def __init__(self, enabled: bool):
+        self.buf = None
+        if enabled and torch.cuda.is_available():
+            l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0) or 64 * 2**20
+            self.buf = torch.empty(2 * l2, dtype=torch.uint8, device="cuda")
+
+    def __call__(self) -> None:
+        if self.buf is not None:
+            self.buf.zero_()
+
+
+def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush) -> list[float]:
+    """Milliseconds of each of `calls` calls of fn."""
+    out = []
+    if torch.cuda.is_available():
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
+        for start, end in events:
+            flush()
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+        return [start.elapsed_time(end) for start, end in events]
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def host_sync_problem(call: Callable[[], object]) -> str | None:
+    """Why the call cannot be captured because it waits for the device on the host (e.g. reading
+    cu_seqlens back with .tolist()), found by running it once with torch's sync debug mode set to
+    raise; None when it ran without one. A sync inside a capture would invalidate it."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        call()
+        torch.cuda.current_stream().synchronize()
+    except RuntimeError as e:
+        return f"the call synchronises with the host ({_first_line(e)})"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return None
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    den = float(torch.linalg.vector_norm(b))
+    return float(torch.linalg.vector_norm(a - b)) / (den if den > 0 else 1.0)
+
+
+class GraphCall:
+    """A call captured once as a CUDA graph; calling it replays the graph (the inputs are the call's
+    own tensors, so every replay recomputes the same outputs from them)."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, outputs: list[torch.Tensor]):
+        self.graph, self.outputs = graph, outputs
+
+    def __call__(self) -> None:
+        self.graph.replay()
+
+
+REPLAY_REL_L2 = 1e-3  # replay vs eager outputs: same kernels on the same inputs (atomics may reorder sums)
+
+
+def capture(call: Callable[[], list[torch.Tensor]], side_stream_warmups: int = 2) -> tuple[GraphCall | None, str | None]:
+    """(graph, None), or (None, why the call cannot be captured). The call must be warm (compiled and
+    autotuned: nothing may be benchmarked inside a capture). The replay's outputs are checked against
+    an eager call's: a graph that bakes in host-side state would time something else."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA device"
+    why = host_sync_problem(call)
+    if why:
+        return None, why
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    try:
+        with torch.cuda.stream(stream):  # warm-up on a side stream, as capture requires
+            for _ in range(side_stream_warmups):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = call()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - any capture failure means eager timing, with its reason
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001
+            pass
+        return None, f"capture failed ({_first_line(e)})"
+    reference = call()
+    torch.cuda.synchronize()
+    worst = max((_rel_l2(o, r) for o, r in zip(outputs, reference) if o.is_floating_point()), default=0.0)
+    if len(outputs) != len(reference) or not worst <= REPLAY_REL_L2:
+        return None, f"the graph's replay differs from an eager call (relative L2 {worst:.3g} > {REPLAY_REL_L2})"
+    return GraphCall(graph, outputs), None

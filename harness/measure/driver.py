@@ -1,0 +1,580 @@
+"""The driver: worker pairs in lockstep rounds, the stopping rule, and the run's records.
+
+Per row (shape, mode), in declaration order:
+  1. every live worker prepares the row, one after the other (warm-up, compile, autotune: the first
+     worker of a fresh machine pays for it, the others find the shared Triton cache), and captures
+     it as a CUDA graph when it can;
+  2. the row's primary basis is graph if every worker captured it, else eager (the reason is kept);
+  3. per basis (the primary first; eager too when the primary is graph), rounds: each live pair in
+     turn runs one burst per side, the side order rotating from round to round (A B C, C B A, ...),
+     until the stopping rule (stopping.py) is satisfied; pairs are added when offsets dominate;
+  4. one eager call per worker for its peak allocation and `stage_iters` profiled calls for stage
+     times and summed device time, then the row is released.
+Training rows follow, with optimizer steps as the bursts. The driver is the only writer of
+samples.jsonl (model.py lists what it writes); resuming reads it back, keeps every complete round and
+finished row, and goes on with fresh pairs where the last session stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from harness import stats
+from harness.measure import stopping
+from harness.measure.detail.channel import Channel, ChannelClosed, ChannelTimeout
+from harness.measure.detail.telemetry import throttled
+from harness.measure.model import (ENGINE, ROUND_FIELD, Burst, MeasureStart, RoundDone, RowEnd, RowMethod, WorkerEnd,
+                                   WorkerJob, WorkerStart)
+from harness.progress import Progress, as_progress
+from harness.records import append_jsonl, declared_side, load_measurement
+from harness.revisions import Revisions, check_unmoved
+from harness.spec import TIMED_BASES, LoadedExperiment, MeasureSpec
+
+TRAIN_MODE = "train"
+# seconds a worker may take to answer: its start (imports), a row's preparation (compile and autotune
+# on a fresh machine take minutes per shape), anything else (a burst, a profiled call)
+TIMEOUTS = {"hello": 600.0, "prepare": float(os.environ.get("HARNESS_PREPARE_TIMEOUT", 3600)), "other": 1200.0}
+# the side order of a round, by round index: every side in every position and after every other
+# side equally often over a cycle, so drift within a round cancels
+ORDERS = {2: [(0, 1), (1, 0)], 3: [(0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2)]}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+class WorkerLost(Exception):
+    """A worker died or stopped answering; its pair can measure no more."""
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    id: int
+    pair: int
+    side: str
+    proc: subprocess.Popen
+    channel: Channel
+    log_path: Path
+    alive: bool = True
+
+    def send(self, message: dict) -> None:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.id} is not running")
+        try:
+            self.channel.send(message)
+        except ChannelClosed as e:
+            self._lost(e)
+
+    def reply(self, timeout: float) -> dict:
+        try:
+            return self.channel.recv(timeout)
+        except (ChannelClosed, ChannelTimeout) as e:
+            self._lost(e)
+
+    def request(self, message: dict, timeout: float) -> dict:
+        """The worker's reply; WorkerLost when it is gone or silent (it is then killed)."""
+        self.send(message)
+        return self.reply(timeout)
+
+    def _lost(self, e: Exception):
+        self.kill()
+        raise WorkerLost(f"worker {self.id} ({self.side}, pair {self.pair}): {e}; log {self.log_path}: "
+                         f"{self.log_tail()}") from None
+
+    def log_tail(self, n: int = 1500) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:].strip()
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        self.alive = False
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        self.channel.close()
+
+
+@dataclass(eq=False)
+class Pair:
+    id: int
+    workers: list[WorkerHandle]  # baseline, candidate[, control]
+    rows: set = field(default_factory=set)  # rows this pair prepared and can measure
+
+    @property
+    def alive(self) -> bool:
+        return all(w.alive for w in self.workers)
+
+
+@dataclass
+class RowPlan:
+    shape: dict  # the shape as the inputs factory takes it (with "name")
+    mode: str
+    gated: set  # bases gates read for this row: "auto", "graph", "eager"
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.shape["name"], self.mode
+
+    @property
+    def name(self) -> str:
+        return f"{self.shape['name']}/{self.mode}"
+
+
+def gated_bases(exp, shape: str, mode: str) -> set[str]:
+    """The timed bases the experiment's whole-call gates read for one row."""
+    from harness.spec import GeomeanGate, NonRegressionGate, SpeedupGate
+
+    out = set()
+    for g in exp.gates:
+        if isinstance(g, SpeedupGate) and g.stage is None and (g.row, g.mode) == (shape, mode):
+            out.add(g.basis)
+        elif isinstance(g, GeomeanGate) and g.mode == mode and shape in g.rows:
+            out.add(g.basis)
+        elif isinstance(g, NonRegressionGate) and mode in g.modes and (g.rows == "all" or shape in g.rows):
+            out.add(g.basis)
+    return out - {"device"}
+
+
+class Driver:
+    def __init__(self, loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings, profile_root: Path,
+                 progress: Progress):
+        from harness.bench import side_env, side_op, training_job_row
+
+        self.loaded, self.exp, self.revisions = loaded, loaded.exp, revisions
+        self.run_dir, self.settings, self.profile_root = Path(run_dir), settings, Path(profile_root)
+        self.spec: MeasureSpec = settings.measure
+        self.progress = progress
+        self.samples_path = self.run_dir / "samples.jsonl"
+        self.attempt = uuid.uuid4().hex[:12]
+        self.side_env, self.side_op, self.training_job_row = side_env, side_op, training_job_row
+        self.sides = ["baseline", "candidate"] + (["control"] if self.spec.control else [])
+        self.pairs: list[Pair] = []
+        self.known = load_measurement(self.samples_path)
+        self.next_worker = max((w.index for w in self.known.workers), default=-1) + 1
+        self.next_pair = max((w.pair for w in self.known.workers if w.pair is not None), default=-1) + 1
+
+    # --- records -----------------------------------------------------------------------------------
+    def write(self, record) -> None:
+        append_jsonl(self.samples_path, record.to_json() if hasattr(record, "to_json") else record)
+
+    def write_kind(self, kind: str, worker: WorkerHandle, **fields) -> None:
+        """A per-worker record of the first engine's kinds (peak, stage, device, kernels, failure,
+        train_step, train_row), keyed by the worker's id as its `block`."""
+        self.write({"type": kind, "block": worker.id, "side": worker.side, "attempt": self.attempt,
+                    "pair": worker.pair, **fields})
+
+    # --- workers -----------------------------------------------------------------------------------
+    def _job(self, worker_id: int, pair: int, side: str, channel: tuple[int, int]) -> WorkerJob:
+        declared = "baseline" if side == "control" else declared_side(side, self.settings.aa)
+        rev_side = "baseline" if side == "control" else side
+        _, inputs_fn = self.exp.target.inputs.split(":")
+        op = self.side_op(self.exp, declared)
+        return WorkerJob(worker=worker_id, pair=pair, side=side, worktree=getattr(self.revisions, rev_side).worktree,
+                         op=op["op"], package=op["package"], inputs_file=str(self.loaded.inputs_file),
+                         inputs_fn=inputs_fn, dtype=self.settings.dtype, seed=self.exp.seed,
+                         warmup=self.settings.warmup, l2_flush=self.settings.l2_flush,
+                         stage_patterns={name: getattr(p, "baseline" if side == "control" else side)
+                                         for name, p in self.exp.stages.items()},
+                         channel=channel)
+
+    def _spawn(self, pair: int, side: str) -> WorkerHandle:
+        worker_id = self.next_worker
+        self.next_worker += 1
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        job = self._job(worker_id, pair, side, (to_child_r, from_child_w))
+        jobs = self.run_dir / "jobs"
+        jobs.mkdir(parents=True, exist_ok=True)
+        job_path = jobs / f"worker-{worker_id:03d}-{side}.json"
+        job_path.write_text(json.dumps(job.to_json(), indent=1))
+        log_path = self.run_dir / "logs" / f"worker-{worker_id:03d}-{side}-{self.attempt}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        declared = "baseline" if side == "control" else declared_side(side, self.settings.aa)
+        env = self.side_env(self.loaded, declared, self.profile_root, self.settings.cpu_mode)
+        env["PYTHONUNBUFFERED"] = "1"
+        with log_path.open("w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "harness.measure.worker", str(job_path)], cwd=self.run_dir,
+                                    env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    pass_fds=(to_child_r, from_child_w))
+        os.close(to_child_r)
+        os.close(from_child_w)
+        return WorkerHandle(worker_id, pair, side, proc, Channel(from_child_r, to_child_w), log_path)
+
+    def start_pairs(self, n: int) -> list[Pair]:
+        """Start n pairs at once (their imports run in parallel), then wait for each worker's hello."""
+        new = []
+        for _ in range(n):
+            pid = self.next_pair
+            self.next_pair += 1
+            new.append(Pair(pid, [self._spawn(pid, side) for side in self.sides]))
+        for pair in new:
+            for w in pair.workers:
+                try:
+                    hello = w.channel.recv(TIMEOUTS["hello"])
+                except (ChannelClosed, ChannelTimeout) as e:
+                    w.kill()
+                    hello = {"ok": False, "error": f"{e}: {w.log_tail()}"}
+                self.write(WorkerStart(self.attempt, w.id, pair.id, w.side, hello.get("pid"), hello.get("host"),
+                                       _now(), hello.get("gpu"), hello.get("provenance")))
+                if not hello.get("ok"):
+                    w.kill()
+                    self.write(WorkerEnd(self.attempt, w.id, "failed", f"the worker did not start: {hello.get('error')}",
+                                         _now()))
+                    self.progress.message(f"worker {w.id} ({w.side}, pair {pair.id}) did not start: "
+                                          f"{str(hello.get('error')).splitlines()[0] if hello.get('error') else ''}")
+        live = [p for p in new if p.alive]
+        for p in new:
+            if not p.alive:
+                self.end_pair(p, "a worker of its pair did not start")
+        self.pairs += live
+        return live
+
+    def end_pair(self, pair: Pair, why: str | None = None) -> None:
+        for w in pair.workers:
+            if w.alive:
+                try:
+                    reply = w.request({"cmd": "exit"}, 60)
+                    gpu = reply.get("gpu")
+                except WorkerLost:
+                    gpu = None
+                w.kill()
+                self.write(WorkerEnd(self.attempt, w.id, "failed" if why else "ok", why, _now(), gpu))
+        if pair in self.pairs:
+            self.pairs.remove(pair)
+
+    def lose(self, pair: Pair, err: Exception) -> None:
+        """A worker of `pair` is gone: record it, stop the pair's other workers."""
+        self.progress.message(f"pair {pair.id} lost: {str(err).splitlines()[0]}")
+        for w in pair.workers:
+            if not w.alive:
+                self.write(WorkerEnd(self.attempt, w.id, "failed", str(err)[-2000:], _now()))
+        self.end_pair(pair, f"another worker of pair {pair.id} was lost")
+
+    def live_pairs(self, key) -> list[Pair]:
+        return [p for p in self.pairs if p.alive and key in p.rows]
+
+    # --- a row -------------------------------------------------------------------------------------
+    def prepare(self, pairs: list[Pair], row: RowPlan, graph: bool) -> dict[int, dict]:
+        """Prepare the row on every worker of `pairs`; returns worker id -> reply for those that did.
+
+        The first worker of each side prepares alone (it compiles and autotunes the side's kernels
+        into the shared Triton cache; autotuning beside another process's GPU work would time the
+        contention), then every other worker at once: they find the cache, and nothing is timed."""
+        message = {"cmd": "prepare", "shape": row.shape, "mode": row.mode, "graph": graph}
+        replies: dict[int, dict] = {}
+        failed: set[int] = set()
+        leaders, seen = [], set()
+        for pair in pairs:
+            for w in pair.workers:
+                code = "baseline" if w.side == "control" else w.side
+                if code not in seen:
+                    seen.add(code)
+                    leaders.append((pair, w))
+        led = {w.id for _, w in leaders}
+        rest = [(p, w) for p in pairs for w in p.workers if w.id not in led]
+        for batch in ([x] for x in leaders):
+            self._prepare_batch(batch, message, replies, failed)
+        self._prepare_batch(rest, message, replies, failed)
+        for pair in pairs:
+            if pair.alive and pair.id not in failed and all(w.id in replies for w in pair.workers):
+                pair.rows.add(row.key)
+        return replies
+
+    def _prepare_batch(self, batch: list[tuple[Pair, WorkerHandle]], message: dict, replies: dict, failed: set) -> None:
+        sent = []
+        for pair, w in batch:
+            if pair.id in failed or not pair.alive:
+                continue
+            try:
+                w.send(message)
+                sent.append((pair, w))
+            except WorkerLost as e:
+                failed.add(pair.id)
+                self.lose(pair, e)
+        for pair, w in sent:
+            if not w.alive:
+                continue
+            try:
+                reply = w.reply(TIMEOUTS["prepare"])
+            except WorkerLost as e:
+                failed.add(pair.id)
+                self.lose(pair, e)
+                continue
+            if not reply.get("ok"):
+                failed.add(pair.id)
+                self.write_kind("failure", w, shape=message["shape"]["name"], mode=message["mode"],
+                                error=reply.get("error"), trace=reply.get("trace"))
+                self.progress.message(f"{message['shape']['name']}/{message['mode']}: worker {w.id} ({w.side}) "
+                                      f"failed to prepare: {str(reply.get('error')).splitlines()[0]}")
+                continue
+            replies[w.id] = reply
+
+    def measure_row(self, row: RowPlan) -> None:
+        done = {b for (s, m, b) in self.known.row_ends if (s, m) == row.key}
+        graph_wanted = self.spec.graph and not self.settings.cpu_mode
+        if done and (self.known.methods.get(row.key) is not None
+                     and set(self.known.methods[row.key].bases) <= done):
+            return
+        self.ensure_pairs(self.spec.pairs)
+        pairs = [p for p in self.pairs if p.alive]
+        replies = self.prepare(pairs, row, graph_wanted)
+        live = self.live_pairs(row.key)
+        reasons = sorted({r.get("graph_reason") for r in replies.values() if not r.get("graph")} - {None})
+        graph_ok = graph_wanted and bool(live) and all(replies[w.id].get("graph") for p in live for w in p.workers)
+        if not graph_wanted:
+            reasons = ["no CUDA device (CPU run)"] if self.settings.cpu_mode else ["measure.graph is false"]
+        primary = "graph" if graph_ok else "eager"
+        bases = [primary] + (["eager"] if primary == "graph" and self.spec.eager else [])
+        self.write(RowMethod(self.attempt, row.key[0], row.mode, primary, bases,
+                             None if graph_ok else "; ".join(reasons) or "no worker could prepare the row",
+                             {k: v for k, v in row.shape.items() if k != "name"}))
+        gated = {primary if b == "auto" else b for b in row.gated} | {primary}
+        for basis in bases:
+            if basis in done:
+                continue
+            if basis == "eager" and primary == "graph":
+                for p in self.live_pairs(row.key):
+                    self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
+            self.rounds(row, basis, gated=basis in gated, graph=primary == "graph")
+        self.extras(row)
+        for p in self.live_pairs(row.key):
+            self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+            p.rows.discard(row.key)
+
+    def request_all(self, pair: Pair, message: dict, timeout: float = TIMEOUTS["other"]) -> list[dict] | None:
+        replies = []
+        for w in pair.workers:
+            try:
+                replies.append(w.request(message, timeout))
+            except WorkerLost as e:
+                self.lose(pair, e)
+                return None
+        return replies
+
+    def ensure_pairs(self, n: int) -> None:
+        have = sum(1 for p in self.pairs if p.alive)
+        if have < n:
+            self.start_pairs(n - have)
+
+    def series(self, key, basis: str) -> stats.Series:
+        return self.known.series.get((*key, basis), stats.Series())
+
+    def rounds(self, row: RowPlan, basis: str, gated: bool, graph: bool) -> None:
+        """Rounds on one basis until the stopping rule (or, for a basis no gate reads, a fixed count)."""
+        t0 = time.monotonic()
+        series = self.series(row.key, basis)
+        self.known.series[(*row.key, basis)] = series
+        counts: dict[int, int] = {}  # rounds each pair of this session has done on this row and basis
+        target = self.spec.min_rounds if gated else self.spec.secondary_rounds
+        lim = stopping.Limits(self.spec.target_half_width, self.spec.min_rounds, self.spec.max_rounds,
+                              self.spec.max_pairs, self.spec.row_budget_s)
+        self.progress.row_started(row.name, basis, len(self.live_pairs(row.key)))
+        while True:
+            live = self.live_pairs(row.key)
+            if not live:
+                self.end_row(row, basis, "failed", "no worker pair could measure the row", series, t0)
+                return
+            over = False
+            while not over and any(counts.get(p.id, 0) < target for p in self.live_pairs(row.key)):
+                for pair in self.live_pairs(row.key):
+                    if counts.get(pair.id, 0) < target:
+                        self.one_round(pair, row, basis, counts.get(pair.id, 0), series)
+                        counts[pair.id] = counts.get(pair.id, 0) + 1
+                live = self.live_pairs(row.key)
+                if live:
+                    self.progress.rounds_progress(row.name, basis, min(counts.get(p.id, 0) for p in live), target,
+                                                  len(live))
+                over = time.monotonic() - t0 >= lim.budget_s
+            iv = stats.ratio_interval(series, "base", "cand")
+            if not gated:
+                self.end_row(row, basis, "fixed", f"{target} rounds (no gate reads {basis})", series, t0, iv)
+                return
+            live = self.live_pairs(row.key)
+            done_rounds = min((counts.get(p.id, 0) for p in live), default=0)
+            # pairs of an earlier session of a resumed run count with their rounds, but cannot add more
+            d = stopping.decide(iv, max(iv.n_blocks, len(live)), done_rounds, time.monotonic() - t0, lim)
+            if d.stop:
+                self.end_row(row, basis, d.stop, d.detail, series, t0, iv)
+                return
+            if d.add_pairs:
+                self.progress.message(f"{row.name} {basis}: {d.detail}; starting {d.add_pairs} more pair(s)")
+                new = self.start_pairs(d.add_pairs)
+                replies = self.prepare(new, row, graph)
+                for p in new:
+                    if row.key not in p.rows:
+                        continue
+                    if basis == "graph" and not all(replies.get(w.id, {}).get("graph") for w in p.workers):
+                        p.rows.discard(row.key)  # a pair that could not capture the row cannot join its graph basis
+                    elif graph and basis != "graph":
+                        self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
+            target = max(target, d.rounds)
+
+    def one_round(self, pair: Pair, row: RowPlan, basis: str, index: int, series: stats.Series) -> None:
+        n = len(pair.workers)
+        order = ORDERS[n][index % len(ORDERS[n])]
+        bursts: dict[str, list[float]] = {}
+        bad = None
+        for i in order:
+            w = pair.workers[i]
+            if row.mode == TRAIN_MODE:
+                message = {"cmd": "train_burst", "name": row.key[0], "steps": row.shape["steps"]}
+            else:
+                message = {"cmd": "burst", "shape": row.key[0], "mode": row.mode, "basis": basis,
+                           "calls": self.spec.calls_per_burst}
+            try:
+                reply = w.request(message, TIMEOUTS["other"])
+            except WorkerLost as e:
+                self.lose(pair, e)
+                return
+            if not reply.get("ok"):
+                self.write_kind("failure", w, shape=row.key[0], mode=row.mode, error=reply.get("error"),
+                                trace=reply.get("trace"))
+                pair.rows.discard(row.key)
+                self.progress.message(f"{row.name} {basis}: pair {pair.id} stops on this row: "
+                                      f"{str(reply.get('error')).splitlines()[0]}")
+                return
+            why = throttled(reply.get("gpu"))
+            bad = bad or why
+            bursts[w.side] = reply["ms"]
+            self.write(Burst(self.attempt, w.id, pair.id, w.side, row.key[0], row.mode, basis, index,
+                             reply["ms"], reply.get("gpu"), why))
+        self.write(RoundDone(self.attempt, pair.id, row.key[0], row.mode, basis, index))
+        if bad is None:
+            series.add(pair.id, stats.Round(**{ROUND_FIELD[s]: ms for s, ms in bursts.items()}))
+        else:
+            self.known.excluded[(*row.key, basis)] = self.known.excluded.get((*row.key, basis), 0) + 1
+
+    def end_row(self, row: RowPlan, basis: str, reason: str, detail: str, series: stats.Series, t0: float,
+                iv: stats.Interval | None = None) -> None:
+        iv = iv or stats.ratio_interval(series, "base", "cand")
+        seconds = time.monotonic() - t0
+        rec = RowEnd(self.attempt, row.key[0], row.mode, basis, reason, detail, iv.n_blocks, iv.n_rounds,
+                     iv.rel_half_width, seconds)
+        self.write(rec)
+        self.known.row_ends[(*row.key, basis)] = rec
+        self.progress.row_finished(row.name, basis, reason, detail, iv.point, iv.lo, iv.hi)
+
+    def extras(self, row: RowPlan) -> None:
+        """Peak allocation and profiled calls of every baseline and candidate worker (the control is
+        the baseline's code: its stage times would only repeat the baseline's)."""
+        want_peak = not self.settings.cpu_mode
+        if not want_peak and self.settings.stage_iters <= 0:
+            return
+        have = {w.index for w in self.known.workers if row.key in w.peaks or row.key in w.kernels}
+        for pair in self.live_pairs(row.key):
+            for w in pair.workers[:2]:
+                if w.id in have:
+                    continue
+                try:
+                    reply = w.request({"cmd": "extras", "shape": row.key[0], "mode": row.mode, "peak": want_peak,
+                                       "stage_iters": self.settings.stage_iters}, TIMEOUTS["other"])
+                except WorkerLost as e:
+                    self.lose(pair, e)
+                    break
+                if not reply.get("ok"):
+                    self.write_kind("failure", w, shape=row.key[0], mode=row.mode, error=reply.get("error"),
+                                    trace=reply.get("trace"))
+                    continue
+                self._write_extras(w, row, reply)
+
+    def _write_extras(self, w: WorkerHandle, row: RowPlan, reply: dict) -> None:
+        shape, mode = row.key
+        if reply.get("peak_bytes") is not None:
+            self.write_kind("peak", w, shape=shape, mode=mode, bytes=int(reply["peak_bytes"]))
+        calls = reply.get("calls") or []
+        if not calls:
+            return
+        totals: dict[str, list] = {}
+        for i, kernels in enumerate(calls):
+            for stage in self.exp.stages:
+                self.write_kind("stage", w, shape=shape, mode=mode, i=i, stage=stage,
+                                ms=sum(ms for _, ms, st in kernels if st == stage))
+            self.write_kind("device", w, shape=shape, mode=mode, i=i, ms=sum(ms for _, ms, _ in kernels))
+            for name, ms, _ in kernels:
+                t = totals.setdefault(name, [0.0, 0])
+                t[0] += ms
+                t[1] += 1
+        self.write_kind("kernels", w, shape=shape, mode=mode, iters=len(calls), kernels=totals)
+
+    # --- training rows -----------------------------------------------------------------------------
+    def measure_training_row(self, trow) -> None:
+        row = RowPlan({"name": trow.name, "steps": trow.steps}, TRAIN_MODE, {"eager"})
+        if (*row.key, "eager") in self.known.row_ends:
+            return
+        self.ensure_pairs(self.spec.pairs)
+        job_row = self.training_job_row(self.loaded, trow)
+        tokens = trow.B * trow.T
+        for pair in [p for p in self.pairs if p.alive]:
+            ok = True
+            for w in pair.workers:
+                try:
+                    reply = w.request({"cmd": "train_prepare", "row": job_row}, TIMEOUTS["prepare"])
+                except WorkerLost as e:
+                    self.lose(pair, e)
+                    ok = False
+                    break
+                if not reply.get("ok"):
+                    self.write_kind("failure", w, shape=trow.name, mode=TRAIN_MODE, error=reply.get("error"),
+                                    trace=reply.get("trace"))
+                    ok = False
+                    break
+                for i, (ms, loss) in enumerate(reply["steps"]):
+                    self.write_kind("train_step", w, row=trow.name, step=i, warmup=True, ms=ms, loss=loss,
+                                    tokens=tokens)
+            if ok:
+                pair.rows.add(row.key)
+        self.write(RowMethod(self.attempt, trow.name, TRAIN_MODE, "eager", ["eager"],
+                             "optimizer steps are timed eagerly", {"B": trow.B, "T": trow.T}))
+        self.rounds(row, "eager", gated=True, graph=False)
+        config = {k: v for k, v in job_row.items() if k != "model_file"}
+        for pair in self.live_pairs(row.key):
+            for w in pair.workers:
+                try:
+                    reply = w.request({"cmd": "train_end", "name": trow.name}, TIMEOUTS["other"])
+                except WorkerLost as e:
+                    self.lose(pair, e)
+                    break
+                if reply.get("ok"):
+                    summary = {k: reply.get(k) for k in ("first_loss", "final_loss", "peak_bytes", "params")}
+                    self.write_kind("train_row", w, row=trow.name, tokens=tokens, config=config, **summary)
+            pair.rows.discard(row.key)
+
+    # --- the whole measurement ---------------------------------------------------------------------
+    def run(self) -> None:
+        rows = [RowPlan(s.model_dump(exclude_none=True), m, gated_bases(self.exp, s.name, m))
+                for s in self.settings.shapes for m in self.exp.modes]
+        self.write(MeasureStart(self.attempt, ENGINE, self.spec.model_dump()))
+        self.progress.measure_plan([r.name for r in rows] + [f"{t.name}/{TRAIN_MODE}" for t in self.settings.training],
+                                   self.spec.pairs, len(self.sides))
+        try:
+            for row in rows:
+                check_unmoved(self.revisions)
+                self.measure_row(row)
+            for trow in self.settings.training:
+                check_unmoved(self.revisions)
+                self.measure_training_row(trow)
+            check_unmoved(self.revisions)
+        finally:
+            for pair in list(self.pairs):
+                self.end_pair(pair)
+            for pair in list(self.pairs):
+                for w in pair.workers:
+                    w.kill()
+
+
+def run_measurement(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings, profile_root: Path,
+                    log=print) -> None:
+    """Measure every row of `settings` (a harness.bench.BenchSettings) with the lockstep engine into
+    run_dir/samples.jsonl, resuming what an earlier session left."""
+    Driver(loaded, revisions, run_dir, settings, profile_root, as_progress(log)).run()

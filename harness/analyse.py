@@ -2,7 +2,7 @@
 
 Reads only records on disk (run.json, samples.jsonl, the optional phase records and the
 experiment's attempt log), so `harness report` can re-render any run without a GPU. Statistics
-come from harness/stats.py and decisions from harness/gates.py with the experiment's seed, so the
+come from harness/stats.py and decisions from harness/gates.py, so the
 intervals shown per row are the very numbers the gates judged.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from harness import gates as G
 from harness import stats
 from harness.profile import pregate_terminal
-from harness.records import Block, completed_blocks, declared_side, read_jsonl
+from harness.records import Block, Measurement, declared_side, load_measurement, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
 SCHEMA_VERSION = 1
@@ -54,10 +54,6 @@ def _clean(value):
 
 def _row_name(shape: str, mode: str) -> str:
     return f"{shape}/{mode}"
-
-
-def _flat(blocks: list[list[float]]) -> list[float]:
-    return [x for b in blocks for x in b]
 
 
 def _run_shapes(loaded: LoadedExperiment, run: dict) -> list[Shape]:
@@ -150,11 +146,13 @@ def _blocks_section(blocks: list[Block], boost: float | None) -> list[dict]:
 
 
 def _kernel_table(blocks: list[Block], key: tuple[str, str], side: str) -> list[dict]:
-    """Per kernel name: device time and launches per profiled call, over the side's ok blocks."""
+    """Per kernel name: device time and launches per profiled call, over the side's workers (blocks)."""
     totals: dict[str, list[float]] = {}
     iters = 0
     for b in blocks:
-        rec = b.kernels.get(key) if b.side == side and b.status == "ok" else None
+        if b.side != side or (b.pair is None and b.status != "ok"):  # the first engine's failed blocks are no data
+            continue
+        rec = b.kernels.get(key)
         if not rec:
             continue
         iters += int(rec.get("iters") or 0)
@@ -168,73 +166,85 @@ def _kernel_table(blocks: list[Block], key: tuple[str, str], side: str) -> list[
                    for name, (ms, n) in totals.items()), key=lambda k: -k["ms_per_call"])
 
 
-def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, seed: int, blocks: list[Block]) -> list[dict]:
+def _basis_section(r: G.RowEvidence, basis: str) -> dict:
+    """One timing basis of a row: both sides' summaries over every call, the speedup and time ratio
+    with their intervals, the A/A control's time ratio (the row's noise floor), and how its rounds ended."""
+    series = r.series[basis]
+    base, cand = series.samples("base"), series.samples("cand")
+    speedup = stats.ratio_interval(series, "base", "cand")
+    aa = stats.ratio_interval(series, "control", "base") if series.has("control") else None
+    floor, floor_source = G.noise_floor(series)
+    return {
+        "basis": basis, "baseline": stats.summarize(base).to_json(), "candidate": stats.summarize(cand).to_json(),
+        "speedup": speedup.to_json(), "time_ratio": stats.reciprocal(speedup).to_json(),
+        "aa_control": aa.to_json() if aa else None,
+        "aa_control_median": stats.summarize(series.samples("control")).median if aa else None,
+        "noise_floor": floor, "noise_floor_source": floor_source,
+        "pairs": len(series.pairs), "rounds": series.n_rounds,
+        "excluded_rounds": r.excluded.get(basis, 0), "stop": r.stops.get(basis),
+        "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
+    }
+
+
+def _rows_section(shapes: list[Shape], modes: list[str], ev: G.Evidence, blocks: list[Block]) -> list[dict]:
     rows = []
-    stage_names = sorted({st for (_, _, st) in ev.stages})
     for shape in shapes:
         for mode in modes:
             r = ev.rows.get((shape.name, mode))
             if r is None:
                 continue
-            base, cand = _flat(r.base_blocks), _flat(r.cand_blocks)
-            speedup = stats.paired_block_speedup(r.base_blocks, r.cand_blocks, seed=seed)
-            delta = None if r.base_peak is None or r.cand_peak is None else r.cand_peak - r.base_peak
+            bases = {b: _basis_section(r, b) for b in ("graph", "eager", "device") if r.series.get(b)}
+            primary = bases.get(r.primary) or {}
             stages = []
-            for st in stage_names:
-                pair = ev.stages.get((shape.name, mode, st))
-                if pair is None:
+            for (sh, mo, st), series in sorted(ev.stages.items()):
+                if (sh, mo) != (shape.name, mode):
                     continue
-                sb, sc = stats.summarize(_flat(pair[0])), stats.summarize(_flat(pair[1]))
-                stages.append({"stage": st, "baseline": sb.to_json(), "candidate": sc.to_json(),
-                               "speedup": stats.paired_block_speedup(pair[0], pair[1], seed=seed).to_json()})
+                stages.append({"stage": st, "baseline": stats.summarize(series.samples("base")).to_json(),
+                               "candidate": stats.summarize(series.samples("cand")).to_json(),
+                               "speedup": stats.ratio_interval(series, "base", "cand").to_json()})
+            delta = None if r.base_peak is None or r.cand_peak is None else r.cand_peak - r.base_peak
             kernels = {side: _kernel_table(blocks, (shape.name, mode), side) for side in ("baseline", "candidate")}
+            device = bases.get("device")
+            empty = stats.summarize([]).to_json()
             rows.append({
                 "shape": shape.name, "mode": mode, "name": _row_name(shape.name, mode), "dims": r.shape_dims,
-                "baseline": stats.summarize(base).to_json(), "candidate": stats.summarize(cand).to_json(),
-                "blocks": {"baseline": len(r.base_blocks), "candidate": len(r.cand_blocks)},
-                "samples_ms": {"baseline": base, "candidate": cand},
-                "speedup": speedup.to_json(),
-                "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
+                "primary_basis": r.primary, "graph_reason": r.graph_reason, "bases": bases,
+                # the primary basis's numbers, where older readers of report.json look for them
+                "baseline": primary.get("baseline", empty), "candidate": primary.get("candidate", empty),
+                "speedup": primary.get("speedup") or stats.Interval(None, None, None, 0.95, 0, "none",
+                                                                      note="no measurements").to_json(),
+                "samples_ms": {"baseline": r.series[r.primary].samples("base") if r.primary in r.series else [],
+                               "candidate": r.series[r.primary].samples("cand") if r.primary in r.series else []},
+                "blocks": {"baseline": primary.get("pairs", 0), "candidate": primary.get("pairs", 0)},
+                "mann_whitney_p": primary.get("mann_whitney_p"),
                 "peak_bytes": {"baseline": r.base_peak, "candidate": r.cand_peak, "delta": delta,
                                "delta_fraction": delta / r.base_peak if delta is not None and r.base_peak else None},
                 "stages": stages,
                 "kernels": kernels,
-                "device_ms": _device_ms(r, seed),
+                "device_ms": None if device is None else {
+                    "baseline": device["baseline"]["median"], "candidate": device["candidate"]["median"],
+                    "ratio": device["speedup"]["point"], "speedup": device["speedup"]},
                 "failures": r.failures,
             })
     return rows
 
 
-def _device_ms(r: G.RowEvidence, seed: int) -> dict | None:
-    """Summed device time per call on each side (every profiled kernel and copy; pooled median of
-    the profiled calls) and the baseline/candidate speedup on it with its block-bootstrap interval,
-    the same statistic as the wall-clock speedup: where the two disagree, the difference is
-    host-side (launch overhead, Python, allocation), not the kernels."""
-    base, cand = r.blocks("device")
-    if not base and not cand:
-        return None
-    b = stats.summarize(_flat(base)).median if base else None
-    c = stats.summarize(_flat(cand)).median if cand else None
-    iv = stats.paired_block_speedup(base, cand, seed=seed) if base and cand else None
-    return {"baseline": b, "candidate": c, "ratio": iv.point if iv else None,
-            "speedup": iv.to_json() if iv else None}
-
-
-def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evidence, seed: int) -> list[dict]:
-    """Each declared geomean gate's set of rows, then every measured row per mode."""
+def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evidence) -> list[dict]:
+    """Each declared geomean gate's set of rows, then every measured row per mode (on each row's
+    primary basis)."""
     sets: list[tuple[str, str, list[str], str]] = []
     for g in loaded.exp.gates:
         if isinstance(g, GeomeanGate):
             sets.append((g.name, g.mode, list(g.rows), g.basis))
     for mode in loaded.exp.modes:
-        sets.append((f"all rows ({mode})", mode, [s.name for s in shapes], "wall"))
+        sets.append((f"all rows ({mode})", mode, [s.name for s in shapes], "auto"))
     out = []
     for label, mode, names, basis in sets:
-        pairs = [ev.rows[(n, mode)].blocks(basis) for n in names if (n, mode) in ev.rows]
-        if len(pairs) != len(names):
+        series = [ev.rows[(n, mode)].get(basis) for n in names if (n, mode) in ev.rows]
+        if len(series) != len(names) or any(not s for s in series):
             iv = stats.Interval(None, None, None, 0.95, 0, "none", note="a row of this set was not measured")
         else:
-            iv = stats.geomean_speedup(pairs, seed=seed)
+            iv = stats.geomean_interval(series, "base", "cand")
         out.append({"name": label, "mode": mode, "rows": [_row_name(n, mode) for n in names], **iv.to_json(),
                     "declared": not label.startswith("all rows"), "basis": basis})
     return out
@@ -276,19 +286,19 @@ def _run_training_rows(loaded: LoadedExperiment, run: dict) -> list[dict]:
     return [t.model_dump() for t in loaded.exp.training]
 
 
-def _training_section(rows: list[dict], ev: G.Evidence, seed: int, blocks: list[Block]) -> list[dict]:
+def _training_section(rows: list[dict], ev: G.Evidence, blocks: list[Block]) -> list[dict]:
     """Per training row: the same statistics as an operator row over timed optimizer steps, plus
     tokens/s (tokens per step / median step time), peak allocation, and first-step losses."""
     out = []
     for cfg in rows:
         name = cfg["name"]
-        base_b, cand_b = ev.training.get(name, ([], []))
-        base, cand = _flat(base_b), _flat(cand_b)
+        series = ev.training.get(name) or stats.Series()
+        base, cand = series.samples("base"), series.samples("cand")
         sb, sc = stats.summarize(base), stats.summarize(cand)
         tokens = int(cfg["B"]) * int(cfg["T"])
         per_side: dict[str, dict[str, list]] = {"baseline": {}, "candidate": {}}
         for b in blocks:
-            rec = b.train_rows.get(name) if b.status == "ok" else None
+            rec = b.train_rows.get(name) if b.status == "ok" or b.pair is not None else None
             if rec is None or b.side not in per_side:
                 continue
             d = per_side[b.side]
@@ -310,9 +320,9 @@ def _training_section(rows: list[dict], ev: G.Evidence, seed: int, blocks: list[
             "name": name, "config": {k: v for k, v in cfg.items() if k != "name"}, "tokens_per_step": tokens,
             "mode": "varlen" if cfg.get("varlen") else "dense",
             "baseline": sb.to_json(), "candidate": sc.to_json(),
-            "blocks": {"baseline": len(base_b), "candidate": len(cand_b)},
+            "blocks": {"baseline": len(series.pairs), "candidate": len(series.pairs)},
             "samples_ms": {"baseline": base, "candidate": cand},
-            "speedup": stats.paired_block_speedup(base_b, cand_b, seed=seed).to_json(),
+            "speedup": stats.ratio_interval(series, "base", "cand").to_json(),
             "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
             "tokens_per_s": tps,
             "peak_bytes": {**peaks, "delta": delta,
@@ -326,13 +336,13 @@ def _training_section(rows: list[dict], ev: G.Evidence, seed: int, blocks: list[
 
 
 def _training_blocks(record: dict | None) -> dict:
-    """training.json rows {row: {baseline: [[ms...] per block], candidate: [...]}} -> gates' form."""
+    """training.json rows {row: {baseline: [[ms...] per block], candidate: [...]}} as Series (older runs)."""
     if not record:
         return {}
     out = {}
     for name, sides in (record.get("rows") or {}).items():
         if isinstance(sides, dict) and "baseline" in sides and "candidate" in sides:
-            out[name] = (sides["baseline"], sides["candidate"])
+            out[name] = stats.Series.from_blocks(sides["baseline"], sides["candidate"])
     return out
 
 
@@ -384,6 +394,23 @@ def _provenance(run: dict, run_dir: Path, exp=None) -> dict:
     }
 
 
+def _measurement_section(m: Measurement, run: dict, rows: list[dict]) -> dict:
+    """How the comparison was measured: the engine and its settings, rounds left out for throttling,
+    and the A/A control over every row and basis (identical code: its 95% intervals should contain 1.0
+    in about 95 of 100 rows; many more misses say the instrument is biased)."""
+    settings = (run.get("settings") or {}).get("measure")
+    aa = [(r["name"], b["basis"], b["aa_control"]) for r in rows for b in (r.get("bases") or {}).values()
+          if b.get("aa_control") and b["aa_control"].get("lo") is not None]
+    misses = [f"{name} ({basis}): {iv['point']:.4f} [{iv['lo']:.4f}, {iv['hi']:.4f}]"
+              for name, basis, iv in aa if not iv["lo"] <= 1.0 <= iv["hi"]]
+    return {
+        "engine": m.engine, "settings": settings,
+        "throttled_rounds": [{"shape": s, "mode": mo, "basis": b, "pair": p, "round": i, "why": why}
+                             for s, mo, b, p, i, why in m.throttled],
+        "aa_control": {"intervals": len(aa), "containing_one": len(aa) - len(misses), "misses": misses},
+    }
+
+
 def _aa_noise(run: dict, rows: list[dict]) -> float | None:
     """On an A/A run (baseline on both sides) the noise floor is the widest row's half-width."""
     if not run.get("aa"):
@@ -418,20 +445,19 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     if run is None:
         raise ReportError(f"{run_dir} has no run.json: not a run directory")
     exp = loaded.exp
-    blocks = completed_blocks(run_dir / "samples.jsonl")
+    measurement = load_measurement(run_dir / "samples.jsonl")
+    blocks = measurement.workers
     shapes = _run_shapes(loaded, run)
     exp_dir = _experiment_dir(loaded, run_dir)
     phase_records, phase_verdicts = _phases(run_dir, exp_dir)
     attempts, state = _attempt_history(exp_dir)
     aa_file = _read_json(run_dir / "aa.json") or {}
-    # training rows: measured in the blocks (train_step/train_row records); a training.json phase
-    # record, when present, supplies rows the blocks did not measure
-    train_times, train_first = G.training_from_blocks(blocks)
-    training = {**_training_blocks(phase_records.get("training")), **train_times}
-    first_losses = {**_training_first_losses(phase_records.get("training")), **train_first}
-    ev = G.evidence_from_blocks(exp, blocks, phases=phase_verdicts, training=training,
-                                training_first_loss=first_losses,
-                                aa_noise=aa_file.get("noise_floor"), shapes=shapes)
+    # training rows are measured with the operator rows; a training.json phase record (older runs)
+    # supplies rows the measurement lacks
+    ev = G.evidence_from_measurement(exp, measurement, phases=phase_verdicts,
+                                     training=_training_blocks(phase_records.get("training")),
+                                     training_first_loss=_training_first_losses(phase_records.get("training")),
+                                     aa_noise=aa_file.get("noise_floor"), shapes=shapes)
     results = G.evaluate_gates(exp, ev)
     terminal = _terminal_reason(phase_records, attempts, state, run, terminal)
     status = G.verdict(results, terminal=terminal)
@@ -439,12 +465,14 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     deciding = [] if status == "GO" else [
         {"name": r.name, "kind": r.kind, "status": r.status, "reason": r.reason}
         for r in results if r.status == deciding_status]
-    rows = _rows_section(shapes, list(exp.modes), ev, exp.seed, blocks)
+    rows = _rows_section(shapes, list(exp.modes), ev, blocks)
     run_section = _run_section(run, run_dir, blocks)
     report = {
         "schema_version": SCHEMA_VERSION,
         "generated": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "units": {"time": "ms", "memory": "bytes", "speedup": "baseline median / candidate median"},
+        "units": {"time": "ms", "memory": "bytes",
+                  "speedup": "baseline time / candidate time: exp of the mean over worker pairs of each pair's "
+                             "mean per-round log ratio of burst medians"},
         "experiment": _experiment_section(loaded, run),
         "run": run_section,
         "verdict": status,
@@ -453,8 +481,9 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
         "no_gpu_verdict": NO_GPU_VERDICT if run_section["cpu_mode"] else None,
         "gates": [r.to_json() for r in results],
         "rows": rows,
-        "geomeans": _geomeans_section(loaded, shapes, ev, exp.seed),
-        "training": _training_section(_run_training_rows(loaded, run), ev, exp.seed, blocks),
+        "geomeans": _geomeans_section(loaded, shapes, ev),
+        "training": _training_section(_run_training_rows(loaded, run), ev, blocks),
+        "measurement": _measurement_section(measurement, run, rows),
         "aa_noise_floor": ev.aa_noise if ev.aa_noise is not None else _aa_noise(run, rows),
         "blocks": _blocks_section(blocks, _boost_mhz(run, blocks)),
         "failures": ev.failures,

@@ -57,31 +57,47 @@ class GateResult:
 
 @dataclass
 class RowEvidence:
-    base_blocks: Blocks
-    cand_blocks: Blocks
+    """Everything measured of one (shape, mode): per timing basis its nested rounds (stats.Series:
+    "graph", "eager" from the lockstep rounds or the first engine's blocks, "device" from profiled
+    calls), which basis "auto" means for it, peaks, dims, failures, and how its rounds ended."""
+
+    series: dict[str, stats.Series] = field(default_factory=dict)
+    primary: str = "eager"
     base_peak: int | None = None
     cand_peak: int | None = None
     shape_dims: dict = field(default_factory=dict)
-    failures: list[dict] = field(default_factory=list)  # per-block failures of this row, either side
-    # summed device time per profiled call, per block (gates with basis: device)
-    base_device: Blocks = field(default_factory=list)
-    cand_device: Blocks = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)  # failures that touch this row, either side
+    graph_reason: str | None = None  # why the row has no graph basis
+    stops: dict[str, dict] = field(default_factory=dict)  # basis -> its row_end record (what ended its rounds)
+    excluded: dict[str, int] = field(default_factory=dict)  # basis -> rounds left out (throttled)
 
-    def blocks(self, basis: str = "wall") -> tuple[Blocks, Blocks]:
-        """(baseline, candidate) blocks of the call's wall-clock samples or of its summed device time."""
-        return (self.base_device, self.cand_device) if basis == "device" else (self.base_blocks, self.cand_blocks)
+    @classmethod
+    def from_blocks(cls, base_blocks: Blocks, cand_blocks: Blocks, base_device: Blocks = (),
+                    cand_device: Blocks = (), **kw) -> "RowEvidence":
+        """The first engine's per-block samples (pairs by position), eager and device."""
+        series = {"eager": stats.Series.from_blocks(base_blocks, cand_blocks)}
+        if base_device or cand_device:
+            series["device"] = stats.Series.from_blocks(base_device, cand_device)
+        return cls(series, **kw)
+
+    def basis(self, basis: str = "auto") -> str:
+        """The basis a gate's `basis` reads on this row ("auto": the row's primary)."""
+        return self.primary if basis == "auto" else basis
+
+    def get(self, basis: str = "auto") -> stats.Series | None:
+        return self.series.get(self.basis(basis))
 
 
 @dataclass
 class Evidence:
     rows: dict[RowKey, RowEvidence] = field(default_factory=dict)
-    stages: dict[tuple[str, str, str], tuple[Blocks, Blocks]] = field(default_factory=dict)
+    stages: dict[tuple[str, str, str], stats.Series] = field(default_factory=dict)
     phases: dict[str, PhaseVerdict] = field(default_factory=dict)
-    training: dict[str, tuple[Blocks, Blocks]] = field(default_factory=dict)
-    # per training row: first-step loss of each (ok) block, (baseline, candidate), and its failures
+    training: dict[str, stats.Series] = field(default_factory=dict)
+    # per training row: first-step loss of each (ok) worker, (baseline, candidate), and its failures
     training_first_loss: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     training_failures: dict[str, list[dict]] = field(default_factory=dict)
-    aa_noise: float | None = None  # A/A noise floor as a fraction; None when not measured
+    aa_noise: float | None = None  # an A/A run's noise floor given for the whole run (aa.json); None when not
     failures: list[dict] = field(default_factory=list)
 
 
@@ -147,7 +163,7 @@ def _row_name(row: str, mode: str) -> str:
 
 def _iv_numbers(iv: stats.Interval, prefix: str = "") -> dict:
     return {f"{prefix}point": iv.point, f"{prefix}lo": iv.lo, f"{prefix}hi": iv.hi,
-            f"{prefix}confidence": iv.confidence, f"{prefix}n_pairs": iv.n_blocks,
+            f"{prefix}confidence": iv.confidence, f"{prefix}n_pairs": iv.n_blocks, f"{prefix}n_rounds": iv.n_rounds,
             f"{prefix}n_base_blocks": iv.n_base_blocks, f"{prefix}n_cand_blocks": iv.n_cand_blocks,
             f"{prefix}ci_method": iv.method, **({f"{prefix}note": iv.note} if iv.note else {})}
 
@@ -156,11 +172,11 @@ def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.4f}"
 
 
-def _missing_side(name: str, base: Blocks | None, cand: Blocks | None) -> str | None:
+def _missing_side(name: str, series: stats.Series | None) -> str | None:
     """Why a row cannot be judged (no record, or no samples on a side), or None."""
-    if base is None or cand is None:
+    if series is None or not series:
         return f"row {name}: no measurements"
-    sides = [s for s, b in (("baseline", base), ("candidate", cand)) if not any(len(x) for x in b)]
+    sides = [s for s, f in (("baseline", "base"), ("candidate", "cand")) if not series.has(f)]
     return f"row {name}: no samples on the {' and '.join(sides)} side" if sides else None
 
 
@@ -213,47 +229,51 @@ def _no_pass_with_failures(status: Status, reason: str, failures: list[dict], na
 
 # --- the gates ---------------------------------------------------------------------------------
 
-def _basis_tag(basis: str) -> str:
-    return " (device time)" if basis == "device" else ""
+def _basis_tag(row: RowEvidence | None, basis: str) -> str:
+    """' (graph)' etc. for a reason: the basis a row was judged on, with what 'auto' resolved to."""
+    used = row.basis(basis) if row is not None else basis
+    return f" ({used})"
 
 
-def _speedup(gate: SpeedupGate, ev: Evidence, seed: int) -> GateResult:
-    name = _row_name(gate.row, gate.mode) + (f"/{gate.stage}" if gate.stage else "") + _basis_tag(gate.basis)
+def _speedup(gate: SpeedupGate, ev: Evidence) -> GateResult:
     row = ev.rows.get((gate.row, gate.mode))
     if gate.stage is not None:
-        pair = ev.stages.get((gate.row, gate.mode, gate.stage))
-        base, cand = pair if pair is not None else (None, None)
+        name = shown = _row_name(gate.row, gate.mode) + f"/{gate.stage}"
+        series = ev.stages.get((gate.row, gate.mode, gate.stage))
     else:
-        base, cand = row.blocks(gate.basis) if row is not None else (None, None)
-    numbers = {"threshold": gate.threshold, "stage": gate.stage, "basis": gate.basis}
-    missing = _missing_side(name, base, cand)
+        name = _row_name(gate.row, gate.mode)
+        shown = name + _basis_tag(row, gate.basis)
+        series = row.get(gate.basis) if row is not None else None
+    numbers = {"threshold": gate.threshold, "stage": gate.stage,
+               "basis": "device" if gate.stage else (row.basis(gate.basis) if row else gate.basis)}
+    missing = _missing_side(shown, series)
     if missing:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", missing, numbers, [name])
-    iv = stats.paired_block_speedup(base, cand, seed=seed)
+    iv = stats.ratio_interval(series, "base", "cand")
     numbers.update(_iv_numbers(iv))
     status, reason = _threshold_status(iv, gate.threshold)
     status, reason = _no_pass_with_failures(status, reason, row.failures if row else [], name)
-    return GateResult(gate.name, gate.kind, status, f"{name}: {reason}", numbers, [name])
+    return GateResult(gate.name, gate.kind, status, f"{shown}: {reason}", numbers, [name])
 
 
-def _geomean(gate: GeomeanGate, ev: Evidence, seed: int) -> GateResult:
-    names = [_row_name(r, gate.mode) + _basis_tag(gate.basis) for r in gate.rows]
+def _geomean(gate: GeomeanGate, ev: Evidence) -> GateResult:
+    rows = [ev.rows.get((r, gate.mode)) for r in gate.rows]
+    names = [_row_name(r, gate.mode) for r in gate.rows]
     numbers: dict = {"threshold": gate.threshold, "mode": gate.mode, "basis": gate.basis, "rows": {}}
-    missing, failures, pairs = [], [], []
-    for r, name in zip(gate.rows, names):
-        row = ev.rows.get((r, gate.mode))
-        base, cand = row.blocks(gate.basis) if row else (None, None)
-        why = _missing_side(name, base, cand)
+    missing, failures, series_list = [], [], []
+    for row, name in zip(rows, names):
+        series = row.get(gate.basis) if row else None
+        why = _missing_side(name + _basis_tag(row, gate.basis), series)
         if why:
             missing.append(why)
             continue
         failures += [f for f in row.failures if f not in failures]
-        pairs.append((base, cand))
-        iv = stats.paired_block_speedup(base, cand, seed=seed)
-        numbers["rows"][name] = {"point": iv.point, "lo": iv.lo, "hi": iv.hi}
+        series_list.append(series)
+        iv = stats.ratio_interval(series, "base", "cand")
+        numbers["rows"][name] = {"point": iv.point, "lo": iv.lo, "hi": iv.hi, "basis": row.basis(gate.basis)}
     if missing:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", "; ".join(missing), numbers, names)
-    iv = stats.geomean_speedup(pairs, seed=seed)
+    iv = stats.geomean_interval(series_list, "base", "cand")
     numbers.update(_iv_numbers(iv))
     status, reason = _threshold_status(iv, gate.threshold)
     status, reason = _no_pass_with_failures(status, f"geomean over {len(names)} rows: {reason}", failures,
@@ -265,7 +285,23 @@ def _known(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x))
 
 
-def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Experiment | None) -> GateResult:
+def noise_floor(series: stats.Series, run_floor: float | None = None) -> tuple[float | None, str]:
+    """(floor, where it comes from): how far from 1.0 a comparison of identical code lands on this row.
+    The A/A control (a baseline twin in every pair, measured in the same rounds) gives the largest
+    deviation its 95% interval allows, max(1 - lo, hi - 1); without one, an A/A run's floor for
+    the whole run (aa.json), else the baseline's own spread between pairs (a weaker stand-in)."""
+    if series.has("control"):
+        aa = stats.ratio_interval(series, "control", "base")
+        if aa.lo is not None:
+            return max(1 - aa.lo, aa.hi - 1, 0.0), (f"A/A control {aa.point:.4f} [{aa.lo:.4f}, {aa.hi:.4f}] "
+                                                    f"over {aa.n_blocks} pairs")
+    if _known(run_floor):
+        return run_floor, "the A/A run's noise floor"
+    spread = stats.pair_spread(series, "base")
+    return (spread if _known(spread) else None), "the baseline's spread between worker pairs"
+
+
+def _non_regression(gate: NonRegressionGate, ev: Evidence, exp: Experiment | None) -> GateResult:
     if gate.rows == "all":
         shapes = [s.name for s in exp.shapes] if exp is not None else sorted({r for r, _ in ev.rows})
     else:
@@ -273,65 +309,56 @@ def _non_regression(gate: NonRegressionGate, ev: Evidence, seed: int, exp: Exper
     keys = [(r, m) for r in shapes for m in gate.modes if exp is None or m in exp.modes]
     skipped = [m for m in gate.modes if exp is not None and m not in exp.modes]
     limit = 1 + gate.margin
-    numbers: dict = {"margin": gate.margin, "limit": limit, "aa_noise": ev.aa_noise, "basis": gate.basis, "rows": {}}
+    numbers: dict = {"margin": gate.margin, "limit": limit, "basis": gate.basis, "rows": {}}
     if skipped:
         numbers["modes_not_measured"] = skipped
-    names = [_row_name(*k) + _basis_tag(gate.basis) for k in keys]
-    # the A/A floor is a wall-clock spread; device time is judged against its own block spread
-    aa_noise = ev.aa_noise if gate.basis == "wall" else None
+    names = [_row_name(*k) for k in keys]
     statuses: list[Status] = []
     notes: list[str] = []
     worst: tuple[float, str] | None = None
     for key, name in zip(keys, names):
         row = ev.rows.get(key)
-        base, cand = row.blocks(gate.basis) if row else (None, None)
-        why = _missing_side(name, base, cand)
+        series = row.get(gate.basis) if row else None
+        shown = name + _basis_tag(row, gate.basis)
+        why = _missing_side(shown, series)
         if why:
             statuses.append("INCONCLUSIVE")
             notes.append(why)
             numbers["rows"][name] = {"status": "INCONCLUSIVE", "reason": why}
             continue
-        iv = stats.time_ratio(base, cand, seed=seed)
+        iv = stats.ratio_interval(series, "cand", "base")
+        floor, source = noise_floor(series, ev.aa_noise if row.basis(gate.basis) != "device" else None)
+        # PASS needs the upper bound inside the margin AND evidence that identical code resolves
+        # within the margin; FAIL needs the lower bound beyond both the margin and that noise
         st = _ratio_status(iv, limit)
-        # "non-regressing within the margin outside noise": a regression FAILs only beyond both the
-        # margin and the noise (the A/A floor, else the baseline's own block-to-block spread)
-        row_noise = aa_noise if _known(aa_noise) else stats.block_spread(base)
-        noise_note = ""
-        if st == "FAIL" and _known(row_noise) and iv.lo is not None and iv.lo <= 1 + row_noise:
+        extra = ""
+        if st == "PASS" and not (_known(floor) and floor < gate.margin):
             st = "INCONCLUSIVE"
-            noise_note = f" (within noise {row_noise:.4f})"
-        st, why = _no_pass_with_failures(st, f"{name}: time ratio {_fmt(iv.point)} "
-                                         f"[{_fmt(iv.lo)}, {_fmt(iv.hi)}] vs limit {limit:.4f}{noise_note}",
+            extra = (f" (noise floor {floor:.4f} from {source} is not below the margin)" if _known(floor)
+                     else " (no noise floor: the margin is not shown to be resolvable)")
+        elif st == "FAIL" and _known(floor) and iv.lo is not None and iv.lo <= 1 + floor:
+            st = "INCONCLUSIVE"
+            extra = f" (within noise {floor:.4f} from {source})"
+        st, why = _no_pass_with_failures(st, f"{shown}: time ratio {_fmt(iv.point)} "
+                                         f"[{_fmt(iv.lo)}, {_fmt(iv.hi)}] vs limit {limit:.4f}{extra}",
                                          row.failures, name)
         if st != "PASS" or row.failures:
             notes.append(f"{why} -> {st}")
         if iv.hi is not None and (worst is None or iv.hi > worst[0]):
-            worst = (iv.hi, name)
+            worst = (iv.hi, shown)
         statuses.append(st)
-        numbers["rows"][name] = {"status": st, "noise": row_noise, **_iv_numbers(iv)}
+        numbers["rows"][name] = {"status": st, "basis": row.basis(gate.basis), "noise": floor, "noise_source": source,
+                                 **_iv_numbers(iv)}
     if not keys:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", "no rows to check", numbers, names)
     status = _combine(statuses)
     if status == "PASS":
-        reason = f"every row's time-ratio upper bound <= {limit:.4f} (worst {worst[1]}: {worst[0]:.4f})"
+        reason = (f"every row's time-ratio upper bound <= {limit:.4f} (worst {worst[1]}: {worst[0]:.4f}), "
+                  f"every row's noise floor < {gate.margin}")
     elif status == "FAIL":
-        reason = "a row's time-ratio lower bound > " + f"{limit:.4f}" + " and beyond its noise"
+        reason = f"a row's time-ratio lower bound > {limit:.4f} and beyond its noise"
     else:
         reason = "not every row is resolved within the margin"
-    noise = aa_noise
-    if gate.basis == "device":
-        reason += ("; on summed device time (a regression must also exceed the baseline's own "
-                   "block-to-block spread to FAIL)")
-    elif noise is None or (isinstance(noise, float) and math.isnan(noise)):
-        reason += ("; no A/A noise floor is known (a regression must also exceed the baseline's own "
-                   "block-to-block spread to FAIL)")
-    elif noise > gate.margin:
-        reason += f"; the A/A noise floor {noise:.4f} is wider than the margin {gate.margin}"
-        if status == "PASS":
-            status = "INCONCLUSIVE"
-            reason += ", so the margin cannot be resolved: INCONCLUSIVE, not PASS"
-    else:
-        reason += f"; A/A noise floor {noise:.4f} <= margin {gate.margin}"
     if notes:
         reason += " | " + "; ".join(notes)
     return GateResult(gate.name, gate.kind, status, reason, numbers, names)
@@ -429,7 +456,7 @@ def _first_loss_rtol(exp: Experiment | None, row: str) -> float:
     return DEFAULT_FIRST_LOSS_RTOL
 
 
-def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | None = None) -> GateResult:
+def _training(gate: TrainingGate, ev: Evidence, exp: Experiment | None = None) -> GateResult:
     limit = 1 + gate.neutral_margin
     numbers: dict = {"neutral_margin": gate.neutral_margin, "limit": limit,
                      "min_best_speedup": gate.min_best_speedup, "rows": {}}
@@ -446,8 +473,8 @@ def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | Non
         failures = ev.training_failures.get(r, [])
         if failures:
             notes.append(f"{r}: {_failure_text(failures)}")
-        base, cand = ev.training.get(r, (None, None))
-        why = _missing_side(r, base, cand)
+        series = ev.training.get(r)
+        why = _missing_side(r, series)
         if why:
             neutral.append("INCONCLUSIVE")
             best.append("INCONCLUSIVE")
@@ -455,7 +482,7 @@ def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | Non
             numbers["rows"][r] = {"status": "INCONCLUSIVE", "reason": why, "first_loss": agree,
                                   "failures": len(failures)}
             continue
-        sp = stats.paired_block_speedup(base, cand, seed=seed)
+        sp = stats.ratio_interval(series, "base", "cand")
         tr = stats.reciprocal(sp)
         n_st = _ratio_status(tr, limit)
         b_st: Status = ("INCONCLUSIVE" if sp.lo is None else "PASS" if sp.lo >= gate.min_best_speedup
@@ -469,8 +496,7 @@ def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | Non
             notes.append(f"{r}: time ratio {_fmt(tr.point)} [{_fmt(tr.lo)}, {_fmt(tr.hi)}] vs {limit:.4f} -> {n_st}")
         numbers["rows"][r] = {"neutral": n_st, "speedup_point": sp.point, "speedup_lo": sp.lo,
                               "speedup_hi": sp.hi, "time_ratio_lo": tr.lo, "time_ratio_hi": tr.hi,
-                              "n_pairs": sp.n_blocks, "n_base_blocks": sp.n_base_blocks,
-                              "n_cand_blocks": sp.n_cand_blocks, "first_loss": agree,
+                              "n_pairs": sp.n_blocks, "n_rounds": sp.n_rounds, "first_loss": agree,
                               "failures": len(failures)}
     # at least one row must show the speedup: PASS if any row's lower bound reaches it, FAIL only
     # if every row's upper bound is below it
@@ -488,27 +514,26 @@ def _training(gate: TrainingGate, ev: Evidence, seed: int, exp: Experiment | Non
     return GateResult(gate.name, gate.kind, status, reason, numbers, list(gate.rows))
 
 
-def evaluate_gate(gate, evidence: Evidence, seed: int = 0, exp: Experiment | None = None) -> GateResult:
+def evaluate_gate(gate, evidence: Evidence, exp: Experiment | None = None) -> GateResult:
     """Decide one gate from the evidence. `exp` resolves rows: 'all' and the shapes' dimensions."""
     if isinstance(gate, SpeedupGate):
-        return _speedup(gate, evidence, seed)
+        return _speedup(gate, evidence)
     if isinstance(gate, GeomeanGate):
-        return _geomean(gate, evidence, seed)
+        return _geomean(gate, evidence)
     if isinstance(gate, NonRegressionGate):
-        return _non_regression(gate, evidence, seed, exp)
+        return _non_regression(gate, evidence, exp)
     if isinstance(gate, PeakAllocGate):
         return _peak_alloc(gate, evidence, exp)
     if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate, AgreementGate)):
         return _phase(gate, evidence)
     if isinstance(gate, TrainingGate):
-        return _training(gate, evidence, seed, exp)
+        return _training(gate, evidence, exp)
     raise TypeError(f"unknown gate type {type(gate).__name__}")
 
 
-def evaluate_gates(exp: Experiment, evidence: Evidence, seed: int | None = None) -> list[GateResult]:
-    """Every gate of the experiment, in declaration order (seed defaults to the experiment's)."""
-    s = exp.seed if seed is None else seed
-    return [evaluate_gate(g, evidence, seed=s, exp=exp) for g in exp.gates]
+def evaluate_gates(exp: Experiment, evidence: Evidence) -> list[GateResult]:
+    """Every gate of the experiment, in declaration order."""
+    return [evaluate_gate(g, evidence, exp=exp) for g in exp.gates]
 
 
 def verdict(results: Sequence[GateResult], terminal: str | None = None) -> Literal["GO", "NO-GO", "INCONCLUSIVE"]:
@@ -529,91 +554,108 @@ def verdict(results: Sequence[GateResult], terminal: str | None = None) -> Liter
 TRAIN_MODE = "train"  # the mode of a training row's failure records (harness/training.py)
 
 
-def training_from_blocks(blocks) -> tuple[dict[str, tuple[Blocks, Blocks]], dict[str, tuple[list[float], list[float]]]]:
-    """(timed step times per block, first-step loss per block), per training row and side, from
-    the 'ok' blocks in block-index order (like the operator rows). A block counts for a row only
-    when the row finished in it (its train_row record)."""
-    times: dict[str, tuple[Blocks, Blocks]] = {}
-    first: dict[str, tuple[list[float], list[float]]] = {}
-    for b in sorted((b for b in blocks if b.status == "ok"), key=lambda b: b.index):
-        side = 0 if b.side == "baseline" else 1 if b.side == "candidate" else None
-        if side is None:
-            continue
-        for name, rec in getattr(b, "train_rows", {}).items():
-            ms = b.train_ms.get(name) or []
-            if ms:
-                times.setdefault(name, ([], []))[side].append(list(ms))
-            if rec.get("first_loss") is not None:
-                first.setdefault(name, ([], []))[side].append(float(rec["first_loss"]))
-    return times, first
+def worker_series(workers, get) -> stats.Series:
+    """One round per pair of a per-worker quantity (`get(worker)`: its samples of a row, its profiled
+    calls' stage or device times, its timed training steps). Lockstep workers pair by their pair id;
+    the first engine's blocks by position among the blocks that have the quantity (the i-th such
+    baseline block with the i-th such candidate block), as that engine always paired them."""
+    if any(w.pair is not None for w in workers):
+        by_pair: dict[int, dict] = {}
+        for w in workers:
+            by_pair.setdefault(w.pair, {})[w.side] = w
+        out = stats.Series()
+        for pair in sorted(by_pair):
+            sides = by_pair[pair]
+            b = get(sides["baseline"]) if "baseline" in sides else None
+            c = get(sides["candidate"]) if "candidate" in sides else None
+            if b and c:
+                out.add(pair, stats.Round(list(b), list(c)))
+        return out
+    ordered = sorted(workers, key=lambda w: w.index)
+    base = [list(get(w)) for w in ordered if w.side == "baseline" and get(w)]
+    cand = [list(get(w)) for w in ordered if w.side == "candidate" and get(w)]
+    return stats.Series.from_blocks(base, cand)
 
 
-def evidence_from_blocks(exp: Experiment, blocks, shape_dims_by_row: dict[str, dict] | None = None, *,
-                         phases: dict[str, PhaseVerdict] | None = None,
-                         training: dict[str, tuple[Blocks, Blocks]] | None = None,
-                         training_first_loss: dict[str, tuple[list[float], list[float]]] | None = None,
-                         aa_noise: float | None = None, shapes: Sequence[Shape] | None = None) -> Evidence:
-    """Per-row block lists from completed `records.Block`s, in block-index order per side, so the
-    i-th baseline block pairs with the i-th candidate block.
+def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerdict] | None = None,
+                              training: dict[str, stats.Series] | None = None,
+                              training_first_loss: dict[str, tuple[list[float], list[float]]] | None = None,
+                              aa_noise: float | None = None, shapes: Sequence[Shape] | None = None) -> Evidence:
+    """Evidence from a run's `records.Measurement` (either engine).
 
-    Only blocks with status 'ok' contribute samples, stage times and peaks; a block that has no
-    samples for a row (that shape failed in it) is left out of that row's list. Failures of every
-    completed block are kept, per row and overall. A side's peak is the largest seen in its blocks.
-    `shapes` overrides exp.shapes (e.g. the cpu profile's shapes); dimensions come from
-    `shape_dims_by_row` when given, else from the shapes."""
+    Timed bases come from the measurement's rounds (lockstep) or its ok blocks (the first engine:
+    the eager basis); device and stage times, peaks, training rows and failures from the workers
+    (blocks). A failed block of the first engine took every row's samples with it, and a lost
+    lockstep worker may have been lost to the code under test: either is a failure on every row, so
+    no row may PASS on what survived. A side's peak is the largest its workers saw. `shapes`
+    overrides exp.shapes (the cpu profile's on a CPU run). `training` and `training_first_loss`
+    supply rows the measurement lacks (older runs' training.json)."""
     shape_list = list(shapes) if shapes is not None else list(exp.shapes)
     dims = {s.name: shape_dims(s) for s in shape_list}
-    dims.update(shape_dims_by_row or {})
-    ordered = sorted((b for b in blocks if b.status in ("ok", "failed")), key=lambda b: b.index)
+    lockstep = m.engine != "blocks"
+    workers = [w for w in m.workers if lockstep or w.status in ("ok", "failed")]
+    ok = [w for w in workers if lockstep or w.status == "ok"]
     ev = Evidence(phases=dict(phases or {}), training=dict(training or {}),
                   training_first_loss=dict(training_first_loss or {}), aa_noise=aa_noise)
     train_names = {t.name for t in exp.training} | set(ev.training)
-    keys = [(s.name, m) for s in shape_list for m in exp.modes]
+    keys = [(s.name, mo) for s in shape_list for mo in exp.modes]
+    keys += sorted({(sh, mo) for sh, mo, _ in m.series if mo != TRAIN_MODE} - set(keys))
+    keys += sorted({k for w in ok for k in (*w.samples, *w.peaks)} - set(keys))
     for key in keys:
-        ev.rows[key] = RowEvidence([], [], None, None, dims.get(key[0], {}))
-    peaks: dict[tuple[RowKey, str], list[int]] = {}
-    stage_lists: dict[tuple[str, str, str], tuple[Blocks, Blocks]] = {}
-    for b in ordered:
-        side = 0 if b.side == "baseline" else 1 if b.side == "candidate" else None
-        for f in b.failures:
-            rec = {"block": b.index, "side": b.side, **f}
+        row = ev.rows[key] = RowEvidence(shape_dims=dims.get(key[0], {}))
+        row.series = {basis: series for (sh, mo, basis), series in m.series.items() if (sh, mo) == key}
+        if not lockstep:
+            row.series["eager"] = worker_series(ok, lambda w: w.samples.get(key))
+        device = worker_series(ok, lambda w: w.device_ms(key))
+        if device:
+            row.series["device"] = device
+        method = m.methods.get(key)
+        if method is not None:
+            row.primary, row.graph_reason = method.primary, method.graph_reason
+        row.stops = {b: {k: v for k, v in asdict(e).items() if k not in ("attempt", "shape", "mode")}
+                     for (sh, mo, b), e in m.row_ends.items() if (sh, mo) == key}
+        row.excluded = {b: n for (sh, mo, b), n in m.excluded.items() if (sh, mo) == key}
+        for side in ("baseline", "candidate"):
+            peaks = [w.peaks[key] for w in ok if w.side == side and key in w.peaks]
+            if peaks:
+                setattr(row, "base_peak" if side == "baseline" else "cand_peak", max(peaks))
+    for w in workers:
+        for f in w.failures:
+            rec = {"block": w.index, "side": w.side, **f}
             ev.failures.append(rec)
             row = ev.rows.get((f.get("shape"), f.get("mode")))
             if row is not None:
                 row.failures.append(rec)
             if f.get("mode") == TRAIN_MODE:
                 ev.training_failures.setdefault(f.get("shape"), []).append(rec)
-        if b.status != "ok":
-            # a failed block takes every row's samples with it: no row may PASS on the rest
-            rec = {"block": b.index, "side": b.side, "shape": None, "mode": None, "error": b.error or "block failed"}
+        if w.status == "failed":
+            rec = {"block": w.index, "side": w.side, "shape": None, "mode": None,
+                   "error": w.error or ("block failed" if not lockstep else "worker lost")}
             ev.failures.append(rec)
             for row in ev.rows.values():
                 row.failures.append(rec)
             for name in train_names:
                 ev.training_failures.setdefault(name, []).append(rec)
-            continue
-        if side is None:
-            continue
-        for key, ms in b.samples.items():
-            if not ms:
-                continue
-            row = ev.rows.setdefault(key, RowEvidence([], [], None, None, dims.get(key[0], {})))
-            (row.base_blocks, row.cand_blocks)[side].append(list(ms))
-        for key, ms in b.stage_samples.items():
-            if ms:
-                stage_lists.setdefault(key, ([], []))[side].append(list(ms))
-        for key in set(b.samples) | set(b.device_samples) | set(b.kernels):
-            dev = b.device_ms(key)
-            if dev:
-                row = ev.rows.setdefault(key, RowEvidence([], [], None, None, dims.get(key[0], {})))
-                (row.base_device, row.cand_device)[side].append(dev)
-        for key, nbytes in b.peaks.items():
-            peaks.setdefault((key, b.side), []).append(int(nbytes))
-    for (key, side_name), values in peaks.items():
-        row = ev.rows.setdefault(key, RowEvidence([], [], None, None, dims.get(key[0], {})))
-        if side_name == "baseline":
-            row.base_peak = max(values)
-        else:
-            row.cand_peak = max(values)
-    ev.stages = stage_lists
+    for key in sorted({k for w in ok for k in w.stage_samples}):
+        series = worker_series(ok, lambda w: w.stage_samples.get(key))
+        if series:
+            ev.stages[key] = series
+    for name in sorted({n for w in ok for n in w.train_rows}):
+        finished = [w for w in ok if name in w.train_rows]
+        series = m.series.get((name, TRAIN_MODE, "eager")) if lockstep else worker_series(
+            finished, lambda w: w.train_ms.get(name))
+        if series:
+            ev.training[name] = series
+        first = tuple([float(w.train_rows[name]["first_loss"]) for w in sorted(finished, key=lambda w: w.index)
+                       if w.side == side and w.train_rows[name].get("first_loss") is not None]
+                      for side in ("baseline", "candidate"))
+        if first[0] or first[1]:
+            ev.training_first_loss[name] = first
     return ev
+
+
+def evidence_from_blocks(exp: Experiment, blocks, **kw) -> Evidence:
+    """Evidence from the first engine's completed blocks (see evidence_from_measurement)."""
+    from harness.records import Measurement
+
+    return evidence_from_measurement(exp, Measurement("blocks", list(blocks), {}), **kw)

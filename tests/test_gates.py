@@ -8,6 +8,7 @@ from harness.gates import (Evidence, ExprError, GateResult, PhaseVerdict, RowEvi
                            evaluate_gate, evaluate_gates, evidence_from_blocks, shape_dims, verdict)
 from harness.records import Block
 from harness.spec import Experiment
+from harness.stats import Series
 
 SHAPES = [
     {"name": "dense", "B": 2, "T": 130, "H": 4, "K": 128, "V": 64},
@@ -32,7 +33,7 @@ def paired(ratios, base_ms=2.0, n=10):
 
 
 def ev_with(rows=None, **kw):
-    return Evidence(rows={k: RowEvidence(b, c) for k, (b, c) in (rows or {}).items()}, **kw)
+    return Evidence(rows={k: RowEvidence.from_blocks(b, c) for k, (b, c) in (rows or {}).items()}, **kw)
 
 
 def one(gate_dict, ev, **extra):
@@ -58,7 +59,7 @@ def test_speedup_gate(threshold, status):
 
 def test_stage_speedup_reads_stage_samples():
     ev = ev_with({("dense", "fwdbwd"): paired([1.0] * 5)})
-    ev.stages[("dense", "fwdbwd", "intra")] = paired([3.0] * 5)
+    ev.stages[("dense", "fwdbwd", "intra")] = Series.from_blocks(*paired([3.0] * 5))
     exp = make_exp([{"name": "s", "kind": "speedup", "row": "dense", "stage": "intra", "threshold": 2.5}],
                    stages={"intra": {"baseline": ["a"], "candidate": ["b"]}})
     r = evaluate_gate(exp.gates[0], ev, exp=exp)
@@ -99,7 +100,9 @@ def test_geomean_gate(threshold, status):
                   ("ragged", "fwdbwd"): paired([8.0] * 5)})
     r = one({"name": "g", "kind": "geomean", "rows": ["dense", "ragged"], "threshold": threshold}, ev)
     assert r.status == status, r.reason
-    assert r.numbers["point"] == pytest.approx(4.0)
+    # the geometric mean over rows of each row's geometric mean over pairs
+    dense = np.exp(np.mean(np.log([r * 2 for r in [0.9, 1.0, 1.1, 0.95, 1.05]])))
+    assert r.numbers["point"] == pytest.approx(np.sqrt(dense * 8.0))
     assert r.numbers["rows"]["ragged/fwdbwd"]["point"] == pytest.approx(8.0)
 
 
@@ -133,15 +136,39 @@ def test_non_regression_gate(ratios, status):
 
 def test_non_regression_noise_floor_rule():
     rows = {("dense", "fwdbwd"): slowdowns([0.99, 1.0, 1.01, 1.0, 0.995])}
-    unknown = one(NR, ev_with(rows))
-    assert unknown.status == "PASS" and "no A/A noise floor" in unknown.reason
+    # no A/A control and no A/A run: the baseline's own spread between pairs (0 here) is the floor
+    spread = one(NR, ev_with(rows))
+    assert spread.status == "PASS", spread.reason
+    assert "spread between worker pairs" in spread.numbers["rows"]["dense/fwdbwd"]["noise_source"]
     quiet = one(NR, ev_with(rows, aa_noise=0.005))
-    assert quiet.status == "PASS" and "0.0050" in quiet.reason and quiet.numbers["aa_noise"] == 0.005
+    assert quiet.status == "PASS" and quiet.numbers["rows"]["dense/fwdbwd"]["noise"] == 0.005
     noisy = one(NR, ev_with(rows, aa_noise=0.05))
-    assert noisy.status == "INCONCLUSIVE" and "noise floor" in noisy.reason
-    # a regression whose whole interval is beyond the margin still fails under a wide noise floor
+    assert noisy.status == "INCONCLUSIVE" and "not below the margin" in noisy.reason
+    # a regression whose whole interval is beyond the margin and that noise still fails
     bad = one(NR, ev_with({("dense", "fwdbwd"): slowdowns([1.2] * 5)}, aa_noise=0.05))
     assert bad.status == "FAIL"
+
+
+def test_non_regression_passes_only_when_the_aa_control_resolves_the_margin():
+    """The lockstep engine's A/A control (the baseline twin in every round): PASS needs its interval's
+    largest deviation from 1.0 below the margin; a regression must also exceed it to FAIL."""
+    from harness.stats import Round
+
+    def row(slowdown, control_offsets):
+        series = Series()
+        for pair, off in enumerate(control_offsets):
+            for r in range(4):
+                base = [1.0 + 0.001 * r] * 3
+                series.add(pair, Round(base, [x * slowdown for x in base], [x * off for x in base]))
+        return Evidence(rows={("dense", "fwdbwd"): RowEvidence({"graph": series}, primary="graph")})
+
+    tight = one(NR, row(1.0, [1.001, 0.999, 1.0]))
+    assert tight.status == "PASS", tight.reason
+    assert "A/A control" in tight.numbers["rows"]["dense/fwdbwd"]["noise_source"]
+    loose = one(NR, row(1.0, [1.03, 0.97, 1.05]))  # identical code lands up to 5% apart: 2% is unresolved
+    assert loose.status == "INCONCLUSIVE" and "not below the margin" in loose.reason
+    assert one(NR, row(1.10, [1.001, 0.999, 1.0])).status == "FAIL"
+    assert one(NR, row(1.03, [1.03, 0.97, 1.05])).status == "INCONCLUSIVE"  # beyond margin, not beyond noise
 
 
 def test_non_regression_all_rows_and_only_measured_modes():
@@ -262,7 +289,7 @@ SAME_FIRST = {"step_small": ([2.5] * 5, [2.5] * 5), "step_big": ([3.1] * 5, [3.1
 
 
 def train_ev(training, first=SAME_FIRST, **kw):
-    return Evidence(training=training, training_first_loss=first, **kw)
+    return Evidence(training={k: Series.from_blocks(*v) for k, v in training.items()}, training_first_loss=first, **kw)
 
 
 def test_training_gate():
@@ -302,7 +329,7 @@ def test_verdict_rules():
 def test_evaluate_gates_end_to_end():
     exp = make_exp([{"name": "sp", "kind": "speedup", "row": "dense", "threshold": 1.5}, NR, PEAK])
     ev = peak_ev()
-    ev.rows[("dense", "fwdbwd")].base_blocks, ev.rows[("dense", "fwdbwd")].cand_blocks = paired(SPREAD)
+    ev.rows[("dense", "fwdbwd")].series["eager"] = Series.from_blocks(*paired(SPREAD))
     results = evaluate_gates(exp, ev)
     assert [r.name for r in results] == ["sp", "nr", "p"]
     assert [r.status for r in results] == ["PASS", "PASS", "PASS"]
@@ -343,15 +370,17 @@ def test_evidence_from_blocks_orders_pairs_and_keeps_failures():
     blocks[5].samples.pop(("ragged", "fwdbwd"))
     ev = evidence_from_blocks(exp, blocks)
     dense = ev.rows[("dense", "fwdbwd")]
-    assert dense.base_blocks == [[2.0] * 3, [2.2] * 3]
-    assert dense.cand_blocks == [[1.0] * 3, [1.1] * 3, [1.2] * 3]
+    # pairs by position among the ok blocks that have the row: the first two of each side
+    assert dense.series["eager"].per_pair("base") == [[2.0] * 3, [2.2] * 3]
+    assert dense.series["eager"].per_pair("cand") == [[1.0] * 3, [1.1] * 3]
     assert (dense.base_peak, dense.cand_peak) == (1000, 600)
     assert dense.shape_dims["NT"] == 3
     ragged = ev.rows[("ragged", "fwdbwd")]
-    assert ragged.cand_blocks == [[2.0] * 3, [2.2] * 3]
+    assert ragged.series["eager"].per_pair("cand") == [[2.0] * 3, [2.2] * 3]
     assert [f["error"] for f in ragged.failures] == ["block failed", "OOM"]
     assert [f["block"] for f in dense.failures] == [4]
-    assert ev.stages[("dense", "fwdbwd", "intra")] == ([[1.1], [1.0]], [[0.5], [0.6]])
+    intra = ev.stages[("dense", "fwdbwd", "intra")]
+    assert (intra.per_pair("base"), intra.per_pair("cand")) == ([[1.1], [1.0]], [[0.5], [0.6]])
     assert len(ev.failures) == 2
 
 
@@ -392,8 +421,7 @@ def test_non_regression_fails_only_outside_the_baselines_own_noise():
     def ev(base_medians, slowdown):
         base = [[m * f for f in (0.999, 1.0, 1.001)] for m in base_medians]
         cand = [[x * slowdown for x in b] for b in base]
-        return Evidence(rows={("dense", "fwd"): RowEvidence(base, cand)}, stages={}, phases={}, training={},
-                        aa_noise=None, failures=[])
+        return Evidence(rows={("dense", "fwd"): RowEvidence.from_blocks(base, cand)})
 
     # a 4% regression with blocks that agree to 0.5%: outside noise -> FAIL
     r = one(gate, ev([10.0, 10.05, 9.95], 1.04), modes=["fwd"])
@@ -412,9 +440,7 @@ DEVICE_CLEAR = ([[4.71] * 3, [4.70] * 3, [4.72] * 3], [[4.14] * 3, [4.13] * 3, [
 
 
 def device_ev(wall, device, key=("dense", "fwdbwd")):
-    row = RowEvidence(*wall)
-    row.base_device, row.cand_device = device
-    return Evidence(rows={key: row})
+    return Evidence(rows={key: RowEvidence.from_blocks(*wall, *device)})
 
 
 def test_speedup_and_geomean_on_device_time():
@@ -424,7 +450,7 @@ def test_speedup_and_geomean_on_device_time():
               stage_iters=3)
     assert wall.status == "INCONCLUSIVE" and dev.status == "PASS", (wall.reason, dev.reason)
     assert dev.numbers["basis"] == "device" and 1.13 < dev.numbers["point"] < 1.15
-    assert "(device time)" in dev.reason and dev.rows == ["dense/fwdbwd (device time)"]
+    assert "(device)" in dev.reason and dev.rows == ["dense/fwdbwd"]
     geo = one({"name": "g", "kind": "geomean", "rows": ["dense"], "threshold": 1.05, "basis": "device"}, ev,
               stage_iters=3)
     assert geo.status == "PASS" and geo.numbers["basis"] == "device"
@@ -440,7 +466,8 @@ def test_non_regression_on_device_time_ignores_the_wall_aa_floor():
     gate = {"name": "nr", "kind": "non_regression", "rows": ["dense"], "modes": ["fwd"], "margin": 0.02}
     assert one(gate, ev, modes=["fwd"]).status == "INCONCLUSIVE"
     r = one({**gate, "basis": "device"}, ev, modes=["fwd"], stage_iters=3)
-    assert r.status == "PASS" and "summed device time" in r.reason, r.reason
+    assert r.status == "PASS", r.reason
+    assert "spread between worker pairs" in r.numbers["rows"]["dense/fwd"]["noise_source"]
     slower = ([[1.08] * 3] * 3, [[1.20] * 3] * 3)
     r = one({**gate, "basis": "device"}, device_ev(WALL_NOISY, slower, key=("dense", "fwd")), modes=["fwd"],
             stage_iters=3)
@@ -451,7 +478,7 @@ def test_device_gate_without_profiled_calls_is_inconclusive():
     ev = device_ev(WALL_NOISY, ([], []))
     r = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.0, "basis": "device"}, ev,
             stage_iters=3)
-    assert r.status == "INCONCLUSIVE" and "no samples" in r.reason
+    assert r.status == "INCONCLUSIVE" and "no measurements" in r.reason
 
 
 def test_device_samples_from_records_and_the_kernel_table_fallback(tmp_path):
@@ -477,7 +504,5 @@ def test_device_samples_from_records_and_the_kernel_table_fallback(tmp_path):
     assert blocks[3].device_ms(("dense", "fwdbwd")) == [2.0]  # (3.0 + 1.0) / 2 iterations
     assert blocks[3].device_ms(("dense", "fwd")) == []
     ev = evidence_from_blocks(make_exp([NR]), blocks)
-    row = ev.rows[("dense", "fwdbwd")]
-    assert row.base_device == [[1.98, 2.02], [2.0]] and row.cand_device == [[0.99, 1.01], [1.0]]
-    assert row.blocks("device") == (row.base_device, row.cand_device)
-    assert row.blocks() == (row.base_blocks, row.cand_blocks)
+    device = ev.rows[("dense", "fwdbwd")].series["device"]
+    assert device.per_pair("base") == [[1.98, 2.02], [2.0]] and device.per_pair("cand") == [[0.99, 1.01], [1.0]]

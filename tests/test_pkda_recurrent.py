@@ -526,3 +526,62 @@ def test_scalar_arguments(over, exc, match, spy):
 def test_cu_seqlens_on_meta_device():
     with pytest.raises(ValueError, match=r"cu_seqlens is on meta but q is on cpu: it must be on q's device or the CPU"):
         fused_recurrent_precond_kda(**make(1, 4, 1, 16, 8), cu_seqlens=torch.tensor([0, 4], device="meta"))
+
+
+# ---------------------------------------------------------------- compiled, not interpreted
+COMPILE_FOR_SM90 = r'''
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.pkda import recurrent as R
+
+def compile_for_sm90(kernel, types, constexprs):
+    names = list(kernel.arg_names)
+    consts = {n: v for n, v in constexprs.items()}
+    sig = {n: ("constexpr" if n in consts else types.get(n, "*fp32")) for n in names}
+    src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=1))
+
+ints = dict(T="i32", H="i32", HV="i32", NS="i32", P="i32", scale="fp32", log_x="fp32", eps="fp32",
+            l2_eps="fp32", lower_bound="fp32", q="*bf16", k="*bf16", v="*bf16", o="*bf16",
+            cu="*i32", slots="*i64", accepted="*i32", err="*i32")
+flags = ("IS_VARLEN", "HAS_S0", "HAS_A0", "STORE_FINAL", "L2NORM_QK", "HAS_DT_BIAS", "TRANSPOSE_STATE", "SPEC", "GUARDED")
+none_unless = dict(IS_VARLEN="cu", HAS_S0="h0", HAS_DT_BIAS="dt_bias", SPEC="accepted", GUARDED="err")
+for on, gate, slots in ((set(flags) - {"TRANSPOSE_STATE", "SPEC", "HAS_DT_BIAS"}, 0, 0),
+                        ({"L2NORM_QK", "HAS_DT_BIAS", "TRANSPOSE_STATE"}, 1, 0),
+                        ({"IS_VARLEN", "HAS_S0", "HAS_A0", "L2NORM_QK", "GUARDED"}, 2, 1),
+                        ({"HAS_S0", "HAS_A0", "L2NORM_QK", "HAS_DT_BIAS", "TRANSPOSE_STATE", "SPEC", "GUARDED"}, 1, 2)):
+    c = dict(K=100, V=100, BK=128, BV=32, GATE=gate, SLOTS=slots, **{f: f in on for f in flags})
+    c.update({ptr: None for flag, ptr in none_unless.items() if flag not in on})
+    if "HAS_A0" not in on:
+        c["a0"] = None
+    if gate == 0:
+        c["A_log"] = None
+    if slots == 0:
+        c["slots"] = None
+        if "STORE_FINAL" not in on:
+            c["ht"] = c["at"] = None
+    compile_for_sm90(R.pkda_fused_recurrent_kernel, ints, c)
+    print("compiled", sorted(on), gate, slots)
+for spec in (True, False):
+    compile_for_sm90(R.pkda_recurrent_gather_a_kernel, ints,
+                     dict(K=60, BK=64, SPEC=spec, **({} if spec else {"accepted": None})))
+print("compiled gather")
+'''
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90():
+    # the interpreter never compiles: Triton's compiler (and its bundled ptxas) builds the
+    # kernels for an H200 (sm_90) here, without a GPU, in a process without TRITON_INTERPRET
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parent.parent
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("compiled ") == 5, proc.stdout

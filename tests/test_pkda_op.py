@@ -39,6 +39,17 @@ CASES = [
     ("log_atk_scale", lambda d: d.update(log_atk_scale=torch.zeros(3)), ValueError,
      r"log_atk_scale must have H=2 entries"),
     ("x", lambda d: d.update(x=0.0), ValueError, r"x must be > 0"),
+    ("x nan", lambda d: d.update(x=float("nan")), ValueError, r"x must be finite, got nan"),
+    ("x inf", lambda d: d.update(x=float("inf")), ValueError, r"x must be finite, got inf"),
+    ("eps -1", lambda d: d.update(eps=-1.0), ValueError, r"eps must be > 0 .*got -1.0"),
+    ("eps 0", lambda d: d.update(eps=0), ValueError, r"eps must be > 0"),
+    ("scale nan", lambda d: d.update(scale=float("nan")), ValueError, r"scale must be finite, got nan"),
+    ("scale tensor", lambda d: d.update(scale=torch.tensor(0.1)), TypeError, r"scale must be a real number, got Tensor"),
+    ("scale str", lambda d: d.update(scale="0.1"), TypeError, r"scale must be a real number, got str"),
+    ("log_atk_scale inf", lambda d: d.update(log_atk_scale=float("-inf")), ValueError, r"log_atk_scale must be finite"),
+    ("lower_bound nan", lambda d: d.update(lower_bound=float("nan")), ValueError, r"lower_bound must be finite"),
+    ("unknown keyword", lambda d: d.update(use_beta_headwise=True), TypeError,
+     r"unexpected keyword argument 'use_beta_headwise'"),
 ]
 
 
@@ -59,6 +70,8 @@ CU_CASES = [
     ("past T", {}, torch.tensor([0, 4, 9]), ValueError, r"cu_seqlens ends at 9, past T=8"),
     ("too short", {}, torch.tensor([0]), ValueError, r"at least 2 entries"),
     ("list", {}, [0, 8], TypeError, r"cu_seqlens must be a 1-D integer torch.Tensor"),
+    ("meta", {}, torch.tensor([0, 8], device="meta"), ValueError,
+     r"cu_seqlens is on meta but q is on cpu: it must be on q's device or the CPU"),
 ]
 
 
@@ -136,3 +149,71 @@ def test_op_fp16_empty_and_uncovered_tail():
     o, S, _ = chunk_precond_kda(**d, output_final_state=True, cu_seqlens=cu)
     n = naive_recurrent_precond_kda(**d, output_final_state=True, cu_seqlens=cu, compute_dtype=torch.float64)
     assert rel(o, n[0]) < 1e-5 and (o[0, 6:] == 0).all() and rel(S, n[1]) < 1e-5
+
+
+# The public op's parameters (fla-core 0.6.0 and fla at the seed baseline) in order; it reads
+# A_log and dt_bias from **kwargs, and the public tests pass use_qk_l2norm_in_kernel there.
+PUBLIC_PARAMS = ["q", "k", "v", "g", "g_atk", "beta_atk", "beta", "scale", "initial_state",
+                 "initial_A_state", "output_final_state", "use_gate_in_kernel", "safe_gate",
+                 "lower_bound", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context",
+                 "transpose_state_layout", "x", "eps", "log_atk_scale", "solve_tril_precision",
+                 "disable_recompute", "return_intermediate_states"]
+
+
+def test_signature_is_the_public_one():
+    import inspect
+    params = inspect.signature(chunk_precond_kda).parameters
+    assert [n for n, p in params.items() if p.kind == p.POSITIONAL_OR_KEYWORD] == PUBLIC_PARAMS
+    assert [n for n, p in params.items() if p.kind == p.KEYWORD_ONLY] == \
+        ["A_log", "dt_bias", "use_qk_l2norm_in_kernel"]
+    assert not any(p.kind == p.VAR_KEYWORD for p in params.values())
+
+
+def test_qk_l2norm_keyword_always_normalises():
+    # as the public op: accepted, and q, k are L2-normalised whatever it says
+    d = make(B=1, T=9, H=2, seed=6)
+    o_true, _, _ = chunk_precond_kda(**d, use_qk_l2norm_in_kernel=True)
+    o_false, _, _ = chunk_precond_kda(**d, use_qk_l2norm_in_kernel=False)
+    assert torch.equal(o_true, o_false)
+    n, _, _ = naive_recurrent_precond_kda(**d, compute_dtype=torch.float64)
+    assert ((o_false.double() - n).norm() / n.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize("K,V,transpose,cu", [(40, 24, True, None), (64, 64, False, [0, 66, 66, 80])])
+def test_return_intermediate_states(K, V, transpose, cu):
+    # h[:, i] is the state entering chunk i (64 tokens each), as the naive recurrence computes
+    # it over the tokens before that chunk; in k's dtype, [B,NT,H,K,V] or [B,NT,H,V,K]
+    B = 2 if cu is None else 1
+    T = 70 if cu is None else 80
+    d = make(B=B, T=T, H=2, K=K, V=V, seed=8)
+    gen = torch.Generator().manual_seed(10)
+    N = B if cu is None else len(cu) - 1
+    S0 = torch.randn(N, 2, K, V, generator=gen)
+    cu_t = None if cu is None else torch.tensor(cu)
+    with torch.inference_mode():
+        o, S, a, h = chunk_precond_kda(**d, initial_state=S0.transpose(-1, -2) if transpose else S0,
+                                       output_final_state=True, transpose_state_layout=transpose,
+                                       cu_seqlens=cu_t, return_intermediate_states=True)
+        o2, S2, a2 = chunk_precond_kda(**d, initial_state=S0.transpose(-1, -2) if transpose else S0,
+                                       output_final_state=True, transpose_state_layout=transpose,
+                                       cu_seqlens=cu_t)
+    assert torch.equal(o, o2) and torch.equal(S, S2) and torch.equal(a, a2)
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [(0, cu[n], cu[n + 1]) for n in range(N)]
+    starts = [(b, n, bos + 64 * i) for n, (b, bos, eos) in enumerate(bounds) for i in range(-(-(eos - bos) // 64))]
+    assert h.shape == ((B, len(starts) // B, 2, V, K) if transpose else (B, len(starts) // B, 2, K, V))
+    assert h.dtype == d["k"].dtype
+    for j, (b, n, start) in enumerate(starts):
+        bos = bounds[n][1]
+        part = {m: t[b:b + 1, bos:start] for m, t in d.items()}
+        _, S_r, _ = naive_recurrent_precond_kda(**part, initial_state=S0[n:n + 1], output_final_state=True,
+                                                compute_dtype=torch.float64)
+        got = h[b, j % (len(starts) // B)] if cu is None else h[0, j]
+        got = got.transpose(-1, -2) if transpose else got
+        assert ((got.double() - S_r[0]).norm() / S_r[0].norm()).item() < 1e-5, (b, n, start)
+
+
+def test_return_intermediate_states_needs_inference_mode():
+    with pytest.raises(ValueError, match=r"return_intermediate_states=True is for inference: call it inside torch.inference_mode"):
+        chunk_precond_kda(**make(), return_intermediate_states=True)
+    with torch.inference_mode(), pytest.raises(ValueError, match=r"needs disable_recompute=False"):
+        chunk_precond_kda(**make(), return_intermediate_states=True, disable_recompute=True)

@@ -6,7 +6,13 @@
                       chunk_indices=None, cp_context=None, transpose_state_layout=False, x=1.5,
                       eps=1e-6, log_atk_scale=None, solve_tril_precision=None,
                       disable_recompute=False, return_intermediate_states=False, *,
-                      A_log=None, dt_bias=None) -> (o, final_state, final_A_state)
+                      A_log=None, dt_bias=None, use_qk_l2norm_in_kernel=True)
+        -> (o, final_state, final_A_state), or (o, final_state, final_A_state, h) with
+           return_intermediate_states
+
+Every keyword of the public op is accepted (the public one also swallows any unknown
+keyword through **kwargs; this one raises TypeError naming it). Scalars (scale, x, eps,
+lower_bound, a float log_atk_scale) must be finite real numbers, x > 0, eps > 0.
 
 q, k are L2-normalised over K inside (stage fwd.l2norm / bwd.l2norm); gates are natural-log
 decays; scale defaults to K^-1/2 and log_atk_scale to a tensor of -0.2 per head. The finals
@@ -24,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .checks import check_cu_seqlens_meta, check_cu_seqlens_values, check_inputs, check_states
+from .checks import (check_cu_seqlens_meta, check_cu_seqlens_values, check_gate_params, check_inputs,
+                     check_scalars, check_states, real_scalar)
 from .ranges import stage_range
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
 from .reference import make_layout
@@ -48,10 +55,10 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
     """Raises ValueError / TypeError naming the offending argument.
     Returns cu_seqlens as a host list (None when dense): the call's only host sync.
     With transpose_state_layout, initial_state is expected as [N,H,V,K]."""
-    B, T, H, K, V = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM)
+    B, T, H, K, V, _ = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM)
 
     if cu_seqlens is not None:
-        check_cu_seqlens_meta(cu_seqlens, B)
+        check_cu_seqlens_meta(cu_seqlens, B, q.device)
         cs = cu_seqlens.tolist()
         check_cu_seqlens_values(cs, T)
         N = len(cs) - 1
@@ -59,7 +66,7 @@ def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, 
         N, cs = B, None
 
     check_states(initial_state, initial_A_state, log_atk_scale, N, H, K, V, varlen=cu_seqlens is not None,
-                 transpose_state_layout=transpose_state_layout)
+                 device=q.device, transpose_state_layout=transpose_state_layout)
     return cs
 
 
@@ -134,17 +141,20 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
                       chunk_indices=None, cp_context=None, transpose_state_layout=False, x=1.5,
                       eps=1e-6, log_atk_scale=None, solve_tril_precision=None,
                       disable_recompute=False, return_intermediate_states=False, *, A_log=None,
-                      dt_bias=None):
+                      dt_bias=None, use_qk_l2norm_in_kernel=True):
     """Preconditioned KDA, chunked Triton implementation. See the module docstring.
 
     q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K]; g_atk, beta_atk, beta [B,T,H]; K, V any size in
     [1, 256] (K != V allowed); initial_state fp32 [N,H,K,V] ([N,H,V,K] with
-    transpose_state_layout); initial_A_state [N,H,K] fp32; cu_seqlens [N+1] integer (B must
-    be 1); log_atk_scale [H] tensor (or a float, or None for -0.2).
+    transpose_state_layout); initial_A_state [N,H,K] fp32; cu_seqlens [N+1] integer on q's
+    device or the CPU (B must be 1); log_atk_scale [H] tensor (or a float, or None for -0.2);
+    scale (default K^-1/2), x > 0 and eps > 0 finite real numbers.
     Returns (o [B,T,H,V] in v.dtype, final_state fp32 | None (same layout as initial_state),
     final_A_state [N,H,K] fp32 | None).
 
-    Arguments as in fla-core 0.6.0:
+    The keywords are the public op's (fla-core 0.6.0 and fla at the seed baseline), which
+    takes A_log and dt_bias through **kwargs and ignores any other; here every keyword is
+    named, so a misspelt or foreign one raises TypeError naming it. As there:
       use_gate_in_kernel  g is the raw gate input: the log decay is kda_gate(g, A_log, dt_bias,
                           lower_bound) (A_log [H] required, dt_bias [H*K] optional; gradients
                           reach both). Here it is computed in PyTorch (fp32) before the kernels,
@@ -159,9 +169,16 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
       disable_recompute   keep the forward's intermediates (a, p, G, Aqk, Tinv, W, U, h,
                           Delta) for the backward instead of recomputing them: same kernels,
                           same gradients, more memory.
+      return_intermediate_states  inference only (inside torch.inference_mode(), with
+                          disable_recompute=False, as the public op asserts): returns a 4th
+                          output h [B,NT,H,K,V] ([B,NT,H,V,K] with transpose_state_layout;
+                          B=1 and NT = all chunks of all sequences with cu_seqlens), the state
+                          entering each 64-token chunk, in k's dtype.
+      use_qk_l2norm_in_kernel  accepted for calls written for the public op's signature and
+                          ignored, as there: q and k are always L2-normalised.
       cu_seqlens_cpu, chunk_indices, solve_tril_precision  accepted and unused (hints; the
                           op derives its own chunk layout, and its triangular solve is fp32).
-      cp_context, return_intermediate_states=True  not supported (NotImplementedError).
+      cp_context          not supported, as in the public op (NotImplementedError).
 
     Done in PyTorch around the kernels (autograd differentiates through it):
       * K or V not in {64, 128, 256}: q, k, g (and the K side of the states) are zero-padded to
@@ -184,20 +201,21 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
         raise NotImplementedError("cp_context (context parallelism) is not supported by this "
                                   "chunk_precond_kda")
     if return_intermediate_states:
-        raise NotImplementedError("return_intermediate_states=True is not supported by this "
-                                  "chunk_precond_kda")
+        if not torch.is_inference_mode_enabled():
+            raise ValueError("return_intermediate_states=True is for inference: call it inside "
+                             "torch.inference_mode() (it bypasses autograd)")
+        if disable_recompute:
+            raise ValueError("return_intermediate_states=True needs disable_recompute=False")
     host_cu = validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state,
                        cu_seqlens, log_atk_scale, transpose_state_layout)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if scale is None:
-        scale = K ** -0.5
+    scale, x, eps = check_scalars(K ** -0.5 if scale is None else scale, x, eps, lower_bound)
     if log_atk_scale is None:
         log_atk_scale = -0.2
     if not torch.is_tensor(log_atk_scale):
-        log_atk_scale = torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=q.device)
-    if x <= 0:
-        raise ValueError(f"x must be > 0 (the squash spans [1/x, x]), got {x}")
+        log_atk_scale = torch.full((H,), real_scalar("log_atk_scale", log_atk_scale),
+                                   dtype=torch.float32, device=q.device)
     if safe_gate and use_gate_in_kernel:
         if lower_bound is None:
             raise ValueError("lower_bound must be given when safe_gate=True and "
@@ -205,13 +223,7 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
         if not -5 <= lower_bound < 0:
             raise ValueError(f"lower_bound must lie in the safe range [-5, 0), got {lower_bound}")
     if use_gate_in_kernel:
-        if not torch.is_tensor(A_log) or A_log.numel() != H or not A_log.is_floating_point():
-            raise ValueError(f"use_gate_in_kernel=True needs A_log, a float tensor of H={H} "
-                             f"entries, got {getattr(A_log, 'shape', A_log)}")
-        if dt_bias is not None and (not torch.is_tensor(dt_bias) or dt_bias.numel() != H * K
-                                    or not dt_bias.is_floating_point()):
-            raise ValueError(f"dt_bias must be a float tensor of H*K={H * K} entries ([H*K] or "
-                             f"[H,K]), got {getattr(dt_bias, 'shape', dt_bias)}")
+        check_gate_params(A_log, dt_bias, H, K, q.device)
         g = kda_gate(g, A_log, dt_bias, lower_bound)
 
     g = g.clamp(min=-GATE_FLOOR)
@@ -230,19 +242,35 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
         S0 = F.pad(S0, (0, Vp - V, 0, Kp - K)) if (Kp, Vp) != (K, V) else S0
         S0 = S0.contiguous()
 
-    o, S, a = PKDAFunction.apply(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, S0,
-                                 initial_A_state, float(scale), bool(output_final_state),
-                                 cu_seqlens, float(x), float(eps), host_cu,
-                                 bool(disable_recompute))
+    unpad_state = lambda t: _unpad_state(t, K, V, transpose_state_layout)
+    if return_intermediate_states:
+        layout = make_layout(B, T, cu_seqlens, q.device, host_cu=host_cu)
+        c = log_atk_scale.to(torch.float32).reshape(H).contiguous()
+        # keep_intermediates is the forward's one way to hand out h (it also keeps a, W, U, ...)
+        o, S, a, saved = pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, c, S0,
+                                  initial_A_state, bool(output_final_state), cu_seqlens, x, eps,
+                                  layout=layout, save_for_backward=True, keep_intermediates=True)
+        NT = layout.NT // B  # dense: every row has the same chunks; varlen: B = 1
+        h = unpad_state(saved["h"].reshape(B, NT, H, Kp, Vp))
+    else:
+        o, S, a = PKDAFunction.apply(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, S0,
+                                     initial_A_state, scale, bool(output_final_state),
+                                     cu_seqlens, x, eps, host_cu, bool(disable_recompute))
     if Vp != V:
         o = o[..., :V]
     if S is not None:
-        if (Kp, Vp) != (K, V):
-            S = S[:, :, :K, :V]
-        if transpose_state_layout:
-            S = S.transpose(-1, -2)
-        if transpose_state_layout or (Kp, Vp) != (K, V):
-            S = S.contiguous()
+        S = unpad_state(S)
     if a is not None and Kp != K:
         a = a[..., :K].contiguous()
+    if return_intermediate_states:
+        return o, S, a, h
     return o, S, a
+
+
+def _unpad_state(S, K, V, transpose_state_layout):
+    """A kernel-layout state [..., Kp, Vp] back to the caller's [..., K, V] (or [..., V, K])."""
+    if tuple(S.shape[-2:]) != (K, V):
+        S = S[..., :K, :V]
+    if transpose_state_layout:
+        S = S.transpose(-1, -2)
+    return S if S.is_contiguous() else S.contiguous()

@@ -88,7 +88,10 @@ def training_job_row(loaded: LoadedExperiment, row: TrainingRow) -> dict:
 
 
 def triton_cache_dir(loaded: LoadedExperiment, profile_root: Path) -> Path:
-    return (Path(profile_root) / loaded.exp.name / "triton-cache").resolve()
+    """One Triton cache for every experiment under a results root: Triton addresses compiled kernels
+    and autotune results by the kernel's source hash, so experiments that share a side (pkda-aa and
+    pkda-dAqk share their baseline) compile and tune it once, and none ever gets another's code."""
+    return (Path(profile_root) / "triton-cache").resolve()
 
 
 def side_op(exp, side: str) -> dict:

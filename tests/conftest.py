@@ -76,8 +76,16 @@ class TempRepo:
         return sha
 
     def experiment(self, name: str, candidate: str, gates: str, extra: str = "", blocks: int = 3,
-                   samples: int = 5, shapes: str | None = None) -> Path:
+                   samples: int = 5, shapes: str | None = None, engine: str = "lockstep", rounds: int = 3,
+                   control: bool = True) -> Path:
+        """An experiment on this repository's op. The lockstep engine gets `blocks` worker pairs and a
+        fixed `rounds` rounds of `samples` calls (min = max rounds: a CPU test's cost stays known);
+        engine "blocks" gets `blocks` fresh-process blocks a side of `samples` samples."""
         shapes = shapes or "  - {name: small, B: 4, T: 256, H: 1, K: 256, V: 256}\n"
+        pairs = max(blocks, 2)
+        measure = (f"measure: {{engine: {engine}, pairs: {pairs}, max_pairs: {pairs}, min_rounds: {rounds}, "
+                   f"max_rounds: {rounds}, secondary_rounds: {rounds}, calls_per_burst: {samples}, "
+                   f"row_budget_s: 300, control: {str(control).lower()}}}\n")
         text = textwrap.dedent(f"""\
             name: {name}
             description: tiny CPU op for tests
@@ -93,8 +101,7 @@ class TempRepo:
             blocks: {blocks}
             samples_per_block: {samples}
             warmup: 1
-            shapes:
-            """) + shapes + "gates:\n" + textwrap.indent(textwrap.dedent(gates), "  ") + textwrap.dedent(extra)
+            """) + measure + "shapes:\n" + shapes + "gates:\n" + textwrap.indent(textwrap.dedent(gates), "  ") + textwrap.dedent(extra)
         path = self.root / "experiments" / f"{name}.yaml"
         path.write_text(text)
         return path

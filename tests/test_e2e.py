@@ -47,7 +47,7 @@ def test_slower_candidate_is_no_go(temp_repo):
     assert gate["numbers"]["hi"] < 1.25
     assert "endpoint" in html and "FAIL" in html
     row = next(r for r in report["rows"] if r["shape"] == "small" and r["mode"] == "fwd")
-    assert row["baseline"]["n"] == 3 * 5 and row["candidate"]["n"] == 3 * 5
+    assert row["baseline"]["n"] == 3 * 3 * 5 and row["candidate"]["n"] == 3 * 3 * 5  # pairs x rounds x calls
     assert 0.2 < row["speedup"]["point"] < 0.6  # ~1/3, with CPU noise
     # the report's attempt history holds the attempt of the very run it reports
     mine = [a for a in report["phases"]["attempts"] if a.get("run_id") == report["run"]["id"]]
@@ -56,10 +56,9 @@ def test_slower_candidate_is_no_go(temp_repo):
 
 def test_faster_candidate_is_go(temp_repo):
     temp_repo.branch("fast", work=2)  # half the work
-    # more blocks and samples than the other cases: a 2x effect must clear 1.25x even on a busy CPU
-    # this CPU's fresh processes differ by up to 2x running identical code (measured), so the effect
-    # needs many blocks to clear 1.25x: the block, not the sample, is the unit of independence
-    exp = temp_repo.experiment("fast-cand", "fast", SPEEDUP_GATE, blocks=8, samples=5)
+    # more pairs than the other cases: a 2x effect must clear 1.25x even on a busy CPU, where fresh
+    # processes of identical code differ by up to 2x (measured): the pair is the unit of independence
+    exp = temp_repo.experiment("fast-cand", "fast", SPEEDUP_GATE, blocks=5, samples=5)
     res = run_exp(temp_repo, exp)
     assert res.returncode == 0, res.stdout + res.stderr
     report, _ = only_report(temp_repo, "fast-cand")
@@ -78,7 +77,7 @@ def test_identical_candidate_never_fails_non_regression(temp_repo):
     # (0.855x, a 1-in-20 split); with 8 the baseline's own spread sees such processes too
     exp = temp_repo.experiment("same-cand", "same", """\
         - {kind: non_regression, name: no-regress, rows: all, modes: [fwd], margin: 0.02}
-        """, blocks=8)
+        """, blocks=5)
     res = run_exp(temp_repo, exp)
     assert res.returncode in (0, 3), res.stdout + res.stderr
     report, _ = only_report(temp_repo, "same-cand")
@@ -87,7 +86,7 @@ def test_identical_candidate_never_fails_non_regression(temp_repo):
 
 def test_sigkill_mid_block_resumes_without_loss_or_duplicates(temp_repo):
     temp_repo.branch("fast", work=2)
-    exp = temp_repo.experiment("killed", "fast", SPEEDUP_GATE, samples=40)
+    exp = temp_repo.experiment("killed", "fast", SPEEDUP_GATE, samples=40, engine="blocks")  # the first engine
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     args = [sys.executable, "-m", "harness", "run", str(exp), "--run-id", "r1",
             "--profile-root", str(temp_repo.root / "profile"), "--reports-root", str(temp_repo.root / "reports")]
@@ -139,9 +138,9 @@ def test_aa_and_bench_only_runs_measure_the_baseline_and_log_no_attempt(temp_rep
     assert res.returncode in (0, 1, 3), res.stdout + res.stderr  # timing on this CPU is noise either way
     report, _ = only_report(temp_repo, "aa")
     assert report["provenance"]["candidate"]["sha"] == temp_repo.baseline_sha  # A/A: the baseline twice
-    # every block, whichever side of the plan, ran the baseline's worktree and op
+    # every worker, whichever side it measures, ran the baseline's worktree and op
     jobs = [json.loads(p.read_text()) for p in (temp_repo.root / "profile" / "aa" / "runs").glob("*/jobs/*.json")]
-    assert len(jobs) == 6 and {j["side"] for j in jobs} == {"baseline", "candidate"}
+    assert len(jobs) == 9 and {j["side"] for j in jobs} == {"baseline", "candidate", "control"}
     assert {j["worktree"] for j in jobs} == {report["provenance"]["baseline"]["worktree"]}
     res = harness("bench", exp, "--profile-root", temp_repo.root / "profile", "--reports-root",
                   temp_repo.root / "reports", cwd=temp_repo.root)
@@ -161,7 +160,7 @@ def test_failed_pregate_stops_measuring_unless_measure_anyway(temp_repo, monkeyp
     calls = {}
     monkeypatch.setattr(R, "_oracle_phases", lambda *a, **k: None)
     monkeypatch.setattr(R, "_profile_phase", lambda *a, **k: "Amdahl pre-gate failed: bound 1.003x < 1.1x")
-    monkeypatch.setattr(R, "run_blocks", lambda *a, **k: calls.setdefault("blocks", True))
+    monkeypatch.setattr("harness.measure.driver.run_measurement", lambda *a, **k: calls.setdefault("blocks", True))
     monkeypatch.setattr(R, "_ncu_phase", lambda *a, **k: calls.setdefault("ncu", True))
     monkeypatch.setattr(R, "_report_phase", lambda loaded, run_dir, opts, terminal, log: (terminal, run_dir, {}))
     opts = R.RunOptions(profile_root=temp_repo.root / "profile", reports_root=temp_repo.root / "reports",

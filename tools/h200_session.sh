@@ -115,5 +115,5 @@ else
   find profile -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
   tar czf - --exclude=worktrees --exclude='*.ncu-rep' --exclude-from=/tmp/drop.txt profile | split -b 15m - "$OUT/state.tgz."
 fi
-du -sh profile/*/triton-cache 2>/dev/null
+du -sh profile/triton-cache 2>/dev/null
 ls -la "$OUT"

@@ -73,13 +73,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cpu", action="store_true", help="the experiment's CPU profile (a smoke of this tool only)")
     ap.add_argument("--aa", action="store_true", help="harness run --aa: the baseline on both sides")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="start no further run once this many seconds have passed (a device call's limit)")
     args = ap.parse_args(argv)
     loaded = load_experiment(args.experiment)
     out = args.out or Path(os.environ.get("OUT") or ROOT / "profile" / "power")
     out.mkdir(parents=True, exist_ok=True)
     stem = f"power-{loaded.exp.name}{'-aa' if args.aa else ''}"
     runs = []
+    start = time.monotonic()
     for i in range(args.runs):
+        if args.budget_s is not None and i and time.monotonic() - start + runs[-1]["seconds"] > args.budget_s:
+            print(f"stopping after {i} runs: the next would end past --budget-s {args.budget_s:.0f}", flush=True)
+            break
         t0 = time.monotonic()
         # the runs' reports stay with their records (ignored), never in this repository's reports/
         opts = RunOptions(run_id=f"power-{time.strftime('%Y%m%dT%H%M%S')}-{i:02d}", force_cpu=args.cpu, aa=args.aa,

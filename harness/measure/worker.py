@@ -93,7 +93,10 @@ class SideWorker:
     # --- operator rows ---------------------------------------------------------------------------
     def prepare(self, shape: dict, mode: str, graph: bool) -> dict:
         key = (shape["name"], mode)
-        self.release(shape["name"], mode, "all")
+        # a worker holds one row at a time: whatever an earlier row left (a row this pair could not
+        # finish preparing is never released by name) goes before this one takes memory
+        self.rows.clear()
+        _free_cuda()
         t0 = time.perf_counter()
         inputs = self.make_inputs(shape, mode, self.dtype, self.device, self.job.seed)
         call = Call(self.op, inputs, mode, self.job.seed)

@@ -92,6 +92,8 @@ def main(argv=None) -> int:
                           note=f"power run {i + 1} of {args.runs}", reports_root=ROOT / "profile" / "power" / "reports")
         _, _, report = run_experiment(loaded, opts, log=QuietProgress(write=lambda line: print(line, flush=True)))
         runs.append(summarize_run(report, time.monotonic() - t0))
+        for failure in report["failures"][:3]:  # what went wrong, right where the table is read
+            print(f"failure: {failure}", flush=True)
         (out / f"{stem}.json").write_text(json.dumps({"experiment": loaded.exp.name, "aa": args.aa,
                                                        "runs": runs}, indent=1))
         print("\n".join(table(runs[-1:])), flush=True)

@@ -60,11 +60,12 @@ def host_sync_problem(call: Callable[[], object]) -> str | None:
     torch.cuda.set_sync_debug_mode("error")
     try:
         call()
-        torch.cuda.current_stream().synchronize()
     except RuntimeError as e:
         return f"the call synchronises with the host ({_first_line(e)})"
     finally:
+        # off before anything of ours waits for the device: the mode counts our own syncs too
         torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
     return None
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import jinja2
 
-from harness import plots
+from harness import plots, verdict
+from harness.fmt import fmt_bytes, fmt_ci, fmt_field, fmt_ms, fmt_p, fmt_num, fmt_pct, fmt_speedup, fmt_spread, fmt_x
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 VERDICT_CLASS = {"GO": "go", "NO-GO": "nogo", "INCONCLUSIVE": "inconclusive"}
@@ -22,78 +23,6 @@ VERDICT_CLASS = {"GO": "go", "NO-GO": "nogo", "INCONCLUSIVE": "inconclusive"}
 GATE_SECTION = {"speedup": "speedup", "geomean": "geomeans", "non_regression": "speedup", "peak_alloc": "peak",
                 "correctness": "correctness", "frozen_paths": "frozen", "amdahl": "profile", "ncu": "ncu",
                 "training": "training"}
-UNIT_SUFFIXES = (("_ms", "ms"), ("_bytes", "B"), ("_mhz", "MHz"), ("_c", "°C"), ("_w", "W"), ("_s", "s"))
-
-
-# --- number formatting (every number leaves with its unit) -------------------------------------
-
-def _num(v, digits: int = 4) -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, int):
-        return f"{v:,}"
-    a = abs(v)
-    if a != 0 and (a >= 1e5 or a < 1e-3):
-        return f"{v:.{digits - 1}e}"
-    return f"{v:.{digits}g}" if a < 1000 else f"{v:,.1f}"
-
-
-def fmt_ms(v) -> str:
-    return "n/a" if v is None else f"{_num(v)} ms"
-
-
-def fmt_bytes(v, signed: bool = False) -> str:
-    if v is None:
-        return "n/a"
-    v = int(v)
-    sign = "+" if signed and v > 0 else ("-" if v < 0 else "")
-    a = abs(v)
-    human = ""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if a >= size:
-            human = f" ({sign}{a / size:.2f} {unit})"
-            break
-    return f"{sign}{a:,} B{human}"
-
-
-def fmt_x(v) -> str:
-    return "n/a" if v is None else f"{v:.3f}x"
-
-
-def fmt_ci(d: dict | None) -> str:
-    if not d or d.get("lo") is None or d.get("hi") is None:
-        return "no interval"
-    return f"[{d['lo']:.3f}x, {d['hi']:.3f}x]"
-
-
-def fmt_p(v) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.2g}" if v >= 1e-4 else "< 1e-4"
-
-
-def fmt_pct(v, signed: bool = True) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v * 100:+.2f}%" if signed else f"{v * 100:.1f}%"
-
-
-def fmt_field(v, key: str = "") -> str:
-    """A value of a phase record or gate numbers, with the unit its key's suffix names."""
-    if isinstance(v, str) or v is None:
-        return "n/a" if v is None else v
-    key = str(key)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        if key.endswith("_bytes") or key in ("bytes", "base_peak", "cand_peak", "reduction", "min_reduction_bytes"):
-            return fmt_bytes(v, signed=key == "reduction")
-        for suffix, unit in UNIT_SUFFIXES:
-            if key.endswith(suffix):
-                return f"{_num(v)} {unit}"
-        if key.endswith(("share", "fraction")):
-            return fmt_pct(v, signed=False)
-    return _num(v) if isinstance(v, (int, float)) else str(v)
 
 
 def slug(text: str) -> str:
@@ -104,9 +33,15 @@ def _is_scalar(v) -> bool:
     return v is None or isinstance(v, (str, int, float, bool))
 
 
+RECORD_COLUMNS = 6  # a list of records wider than this reads better one record at a time
+
+
 def _records(v) -> bool:
-    """A list of flat-ish dicts: shown as one table with the union of their keys."""
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+    """A list of flat dicts (scalar values, few keys): shown as one table with the union of their
+    keys. Nested or wide records are shown one by one, so no table outgrows the page."""
+    return (isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)
+            and len(_columns(v)) <= RECORD_COLUMNS
+            and all(_is_scalar(y) or isinstance(y, list) and all(map(_is_scalar, y)) for x in v for y in x.values()))
 
 
 def _columns(v: list[dict]) -> list[str]:
@@ -116,11 +51,21 @@ def _columns(v: list[dict]) -> list[str]:
     return cols
 
 
+def _defined(fmt):
+    """A filter that reads a missing field (jinja's Undefined) as None, i.e. "n/a"."""
+    def f(v, *args, **kwargs):
+        return fmt(None if isinstance(v, jinja2.Undefined) else v, *args, **kwargs)
+    return f
+
+
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.ChainableUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters.update(ms=fmt_ms, bytes=fmt_bytes, x=fmt_x, ci=fmt_ci, p=fmt_p, pct=fmt_pct, field=fmt_field,
-                       num=_num, slug=slug, columns=_columns, short=lambda s, n=12: (s or "")[:n] or "n/a")
+    formats = dict(ms=fmt_ms, bytes=fmt_bytes, x=fmt_x, ci=fmt_ci, p=fmt_p, pct=fmt_pct, field=fmt_field,
+                   num=fmt_num, speedup=fmt_speedup, spread=fmt_spread)
+    env.filters.update({k: _defined(f) for k, f in formats.items()})
+    env.filters.update(slug=slug, columns=_columns, short=lambda s, n=12: (s or "")[:n] or "n/a",
+                       dims=verdict.dims_text, ran_at=lambda row: verdict.dims_text(verdict.row_dims(row)))
     env.tests.update(scalar=_is_scalar, records=_records)
     env.globals.update(verdict_class=VERDICT_CLASS, gate_section=GATE_SECTION)
     return env
@@ -288,13 +233,58 @@ def headline(report: dict) -> dict | None:
     return None
 
 
+def attempt_history(entries: list[dict], reports: dict[str, dict]) -> list[dict]:
+    """The attempt log as the page shows it. An attempt whose run has a report here (`reports`,
+    by run id) shows that report's verdict and its gates that did not pass, so the history agrees
+    with the gate table a reader opens; any other attempt shows what the log recorded then."""
+    out, seen = [], []
+    for e in entries:
+        if e.get("type") == "reopen":
+            seen = []
+            out.append({"kind": "reopen", "t": e.get("t"), "run_id": e.get("run_id"), "note": e.get("reason") or ""})
+            continue
+        if e.get("type") != "attempt":
+            continue
+        sha = e.get("sha") or ""
+        if sha not in seen:
+            seen.append(sha)
+        rep = reports.get(e.get("run_id") or "")
+        if rep is not None:
+            verdict = rep.get("verdict")
+            gates = [{"name": g["name"], "status": g["status"]} for g in rep.get("gates") or [] if g["status"] != "PASS"]
+            source = "report"
+        else:
+            verdict = e.get("verdict")
+            gates = [{"name": n, "status": "FAIL"} for n in e.get("failing_gates") or []]
+            source = "log"
+        out.append({"kind": "attempt", "n": seen.index(sha) + 1, "t": e.get("t"), "sha": sha, "run_id": e.get("run_id"),
+                    "verdict": verdict, "capped": bool(e.get("capped")), "measured": e.get("measured_verdict"),
+                    "gates": gates, "note": e.get("note") or "", "source": source})
+    return out
+
+
+def timing_bases(report: dict) -> list[str]:
+    """Every timing basis some row measured, in first-seen order (columns of the speedup table)."""
+    out: list[str] = []
+    for row in report.get("rows") or []:
+        out += [b for b in verdict.row_bases(row) if b not in out]
+    return out
+
+
 def render_html(report: dict) -> str:
     """The report page for one run, from its report.json dict alone."""
+    rows = {r["name"]: r for r in report.get("rows") or []}
     return _env().get_template("report.html.j2").render(
-        r=report, figures=build_figures(report), headline=headline(report),
+        r=report, v=verdict.build_verdict(report), rows_by_name=rows, bases=timing_bases(report),
+        row_bases=verdict.row_bases, figures=build_figures(report), headline=headline(report),
         ncu=ncu_view((report.get("phases") or {}).get("ncu")),
         failed_blocks=[b for b in report["blocks"] if b["status"] != "ok"],
         row_failures=[f for f in report["failures"] if f.get("shape")],
+        prov=report.get("provenance") or {}, row_of_gate=lambda name: next(
+            (row for row in rows if verdict.gate_row_matches(name, row)), None),
+        attempts=attempt_history((report.get("phases") or {}).get("attempts") or [],
+                                 {str((report.get("run") or {}).get("id")): report}),
+        short_reason=verdict.short_reason,
     )
 
 
@@ -314,7 +304,11 @@ def render_index(reports_dir: Path) -> Path:
     reports_dir = Path(reports_dir)
     reports_dir.mkdir(parents=True, exist_ok=True)
     runs, attempts = [], {}
-    for path, rep in _load_reports(reports_dir):
+    loaded = _load_reports(reports_dir)
+    by_run: dict[str, dict[str, dict]] = {}  # experiment -> run id -> its published report
+    for path, rep in loaded:
+        by_run.setdefault(rep["experiment"]["name"], {})[str((rep.get("run") or {}).get("id") or path.parent.name)] = rep
+    for path, rep in loaded:
         prov = rep.get("provenance") or {}
         run = rep.get("run") or {}
         when = run.get("started") or run.get("finished") or rep.get("generated") or ""
@@ -328,7 +322,7 @@ def render_index(reports_dir: Path) -> Path:
         history = (rep.get("phases") or {}).get("attempts") or []
         name = rep["experiment"]["name"]
         if history and (name not in attempts or when >= attempts[name][0]):
-            attempts[name] = (when, history)
+            attempts[name] = (when, attempt_history(history, by_run.get(name, {})))
     runs.sort(key=lambda x: (x["date"], x["run_id"]), reverse=True)
     html = _env().get_template("index.html.j2").render(
         runs=runs, attempts={k: v[1] for k, v in sorted(attempts.items())})

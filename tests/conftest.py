@@ -110,3 +110,23 @@ class TempRepo:
 @pytest.fixture
 def temp_repo(tmp_path) -> TempRepo:
     return TempRepo(tmp_path / "repo")
+
+
+# Files tests keep for a person to look at (browser screenshots): under profile/ (ignored by git),
+# or HARNESS_TEST_ARTIFACTS; the run's summary prints where they went.
+ARTIFACTS_KEY = pytest.StashKey[Path]()
+
+
+@pytest.fixture(scope="session")
+def artifacts(request) -> Path:
+    root = Path(os.environ.get("HARNESS_TEST_ARTIFACTS") or Path(__file__).resolve().parents[1] / "profile" /
+                "test-artifacts")
+    root.mkdir(parents=True, exist_ok=True)
+    request.config.stash[ARTIFACTS_KEY] = root
+    return root
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    root = config.stash.get(ARTIFACTS_KEY, None)
+    if root is not None:
+        terminalreporter.write_line(f"test artifacts (browser screenshots): {root}")

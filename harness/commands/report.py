@@ -1,7 +1,12 @@
-"""`harness report EXP [--run RUN_ID]`: re-render a run's report from its records (no GPU needed).
+"""`harness report EXP [--run RUN_ID] [--format table|md|junit] [--out FILE]`: a run's verdict.
 
-Rebuilds report.json and index.html in the run directory, copies both to
-reports/<name>/<run-id>/, refreshes reports/index.html and prints the report's path.
+With an experiment file: rebuild report.json and index.html from the run's records (no GPU
+needed) in the run directory, copy both to reports/<name>/<run-id>/ and refresh
+reports/index.html. With a report.json or a report directory instead (a committed report, whose
+records are not in git): re-render its index.html from report.json alone.
+Then print the verdict: the terminal table (default), a markdown comment to paste into an issue
+or pull request (`--format md`), or JUnit XML with one test case per gate (`--format junit`);
+`--out FILE` writes it to FILE instead of stdout.
 Exit code follows the verdict: 0 GO, 1 NO-GO, 3 INCONCLUSIVE (2 for bad input).
 """
 from __future__ import annotations
@@ -13,19 +18,24 @@ from pathlib import Path
 
 from harness.bench import HARNESS_ROOT
 from harness.cli import UsageError
+from harness.formats import FORMATS
 from harness.spec import load_experiment
 
 VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("report", help="re-render a run's report from its records and refresh reports/index.html")
-    p.add_argument("experiment", help="path to experiments/<name>.yaml")
+    p = sub.add_parser("report", help="re-render a run's report and print its verdict (table, markdown or JUnit)")
+    p.add_argument("experiment", help="path to experiments/<name>.yaml, or a report.json or report directory "
+                                      "(reports/<name>/<run-id>/) to re-render from report.json alone")
     p.add_argument("--run", metavar="RUN_ID", help="run directory name (default: the newest run)")
     p.add_argument("--profile-root", type=Path, default=HARNESS_ROOT / "profile",
                    help="where the run records are (default: ./profile of this checkout)")
     p.add_argument("--reports-root", type=Path, default=HARNESS_ROOT / "reports",
                    help="where reports are published (default: ./reports of this checkout)")
+    p.add_argument("--format", choices=FORMATS, default="table",
+                   help="what to print: the terminal table (default), markdown for an issue or PR, JUnit XML for CI")
+    p.add_argument("--out", type=Path, metavar="FILE", help="write the --format output to FILE instead of stdout")
     p.set_defaults(func=run)
 
 
@@ -71,18 +81,63 @@ def publish(report: dict, run_dir: Path, reports_root: Path) -> Path:
     return out / "index.html"
 
 
+def is_report_path(path: Path) -> bool:
+    """A report.json, or a directory holding one (not an experiment file)."""
+    return path.name == "report.json" and path.is_file() or path.is_dir() and (path / "report.json").is_file()
+
+
+def rerender(report_dir: Path, reports_root: Path) -> tuple[dict, Path]:
+    """index.html rendered again from the report.json beside it (report.json is never rewritten);
+    reports/index.html refreshed when the report lies under the reports root."""
+    from harness.commands.compare import load_report
+    from harness.report import render_html, render_index
+
+    data = load_report(report_dir)
+    html = report_dir / "index.html"
+    html.write_text(render_html(data))
+    if reports_root in report_dir.resolve().parents:
+        render_index(reports_root)
+    return data, html
+
+
+def emit_verdict(data: dict, fmt: str, out: Path | None) -> None:
+    """The verdict in the asked format, on stdout or into `out`."""
+    from harness import formats
+
+    if fmt == "table" and out is None:
+        formats.print_verdict(data)
+        return
+    if fmt == "table":
+        with out.open("w") as f:
+            formats.print_verdict(data, file=f)
+        return
+    text = formats.render(data, fmt)
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+
+
 def run(args) -> int:
     from harness import analyse
 
-    loaded = load_experiment(args.experiment)
-    run_dir = find_run_dir(args.profile_root.resolve(), loaded.exp.name, args.run)
-    try:
-        data = analyse.build_report(loaded, run_dir)
-    except analyse.ReportError as e:
-        raise UsageError(str(e)) from e
-    if data["experiment"].get("matches_run") is False:
-        print(f"warning: {loaded.path} changed since run {run_dir.name}; its gates are judged as declared now "
-              "(the report says so)", file=sys.stderr)
-    path = publish(data, run_dir, args.reports_root.resolve())
-    print(f"{data['verdict']}: {path}")
+    source = Path(args.experiment)
+    if is_report_path(source):
+        data, path = rerender(source if source.is_dir() else source.parent, args.reports_root.resolve())
+    else:
+        loaded = load_experiment(args.experiment)
+        run_dir = find_run_dir(args.profile_root.resolve(), loaded.exp.name, args.run)
+        try:
+            data = analyse.build_report(loaded, run_dir)
+        except analyse.ReportError as e:
+            raise UsageError(str(e)) from e
+        if data["experiment"].get("matches_run") is False:
+            print(f"warning: {loaded.path} changed since run {run_dir.name}; its gates are judged as declared now "
+                  "(the report says so)", file=sys.stderr)
+        path = publish(data, run_dir, args.reports_root.resolve())
+    emit_verdict(data, args.format, args.out)
+    # stdout stays the verdict alone when it is markdown or JUnit (to paste or to pipe)
+    where = sys.stdout if args.format == "table" and args.out is None else sys.stderr
+    print(f"{data['verdict']}: {path}", file=where)
     return VERDICT_EXIT.get(data["verdict"], 3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.cli import UsageError
+from harness.formats import print_verdict
 from harness.progress import make_progress
 from harness.revisions import RevisionError
 from harness.run import VERDICT_EXIT, RunError, RunOptions, run_experiment
@@ -50,9 +51,11 @@ def run(args) -> int:
     loaded = load_experiment(args.experiment)
     progress = make_progress(quiet=getattr(args, "quiet", False))
     try:
-        verdict, _, _ = run_experiment(loaded, options(args), log=progress)
+        verdict, out_dir, data = run_experiment(loaded, options(args), log=progress)
     except (RunError, RevisionError) as e:
         raise UsageError(str(e)) from e
     finally:
         progress.close()
+    print_verdict(data)  # after the live display is gone: the last thing on screen is the verdict
+    print(f"{verdict}: {out_dir / 'index.html'}")
     return VERDICT_EXIT[verdict]

@@ -169,7 +169,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
     record = {"kind": "agreement", "dtype": settings.dtype, "cpu_mode": cpu_mode, "checks": results,
               "gate": {"status": status, "reason": reason, "numbers": gate_numbers}}
     (run_dir / "agreement.json").write_text(json.dumps(record, indent=2))
-    log(f"agreement: {status or 'UNDECIDED'}: {reason[:200]}")
+    log(f"agreement: {status or 'INCONCLUSIVE'}: {reason[:200]}")
     return record
 
 

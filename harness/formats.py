@@ -13,7 +13,7 @@ import xml.etree.ElementTree as ET
 from typing import TextIO
 
 from harness.fmt import fmt_num, fmt_speedup, fmt_spread
-from harness.verdict import Verdict, VerdictLine, build_verdict, dims_text, side_label
+from harness.verdict import Verdict, VerdictLine, build_verdict, dims_text, short_reason, side_label
 
 STATUS_STYLE = {"PASS": "green", "FAIL": "bold red", "INCONCLUSIVE": "yellow",
                 "GO": "bold green", "NO-GO": "bold red"}
@@ -22,6 +22,11 @@ FORMATS = ("table", "md", "junit")
 RAN_ELSEWHERE_NOTE = ("rows marked * ran at the dims shown, not at their declared (GPU) shape: "
                       "a CPU smoke test of the pipeline, not a measurement at that shape")
 TIME_HEAD = "median (p10-p90), ms"
+WIDE_TABLE = 150  # columns a terminal needs for one line per row; narrower ones get two
+WIDE_COLUMNS = (("row", "left"), ("ran at", "left"), ("basis", "left"), (f"baseline {TIME_HEAD}", "right"),
+                (f"candidate {TIME_HEAD}", "right"), ("speedup [95% CI]", "right"), ("gates", "left"))
+NARROW_COLUMNS = (("row / ran at · basis · baseline -> candidate, median (p10-p90) / gates", "left"),
+                  ("speedup [95% CI]", "right"))
 
 
 def _ran_at(line: VerdictLine) -> str:
@@ -62,19 +67,27 @@ def print_verdict(report: dict, file: TextIO | None = None) -> None:
     if v.no_gpu_verdict:
         console.print(f"no GPU verdict: {escape(v.no_gpu_verdict)}")
     if v.terminal:
-        console.print(f"terminal: {escape(v.terminal)}")
+        console.print(f"terminal: {escape(short_reason(v.terminal))} (the report has the full reason)")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
-    for col, justify in (("row", "left"), ("ran at", "left"), ("basis", "left"), (f"baseline {TIME_HEAD}", "right"),
-                         (f"candidate {TIME_HEAD}", "right"), ("speedup [95% CI]", "right"), ("gates", "left")):
-        table.add_column(col, justify=justify, no_wrap=col != "gates", overflow="fold")
+    wide = console.width >= WIDE_TABLE
+    heads = WIDE_COLUMNS if wide else NARROW_COLUMNS
+    for col, justify in heads:
+        # numbers never wrap; names, dims and gate marks do
+        table.add_column(col, justify=justify, no_wrap=justify == "right", overflow="fold",
+                         min_width=None if justify == "right" else 8)
     for line in v.lines:
         iv = line.speedup or {}
         style = ("green" if (iv.get("lo") or 0) > 1 else "red" if iv.get("hi") is not None and iv["hi"] < 1 else "")
         marks = Text(", ").join(Text.assemble(m.name + " ", status(m.status)) for m in line.marks) or Text("-")
-        table.add_row(Text(line.row, style="bold" if line.deciding else ""), _ran_at(line), _basis(line),
-                      fmt_spread(line.baseline.median, line.baseline.p10, line.baseline.p90),
-                      fmt_spread(line.candidate.median, line.candidate.p10, line.candidate.p90),
-                      Text(fmt_speedup(iv), style=style), marks)
+        name = Text(line.row, style="bold" if line.deciding else "")
+        base = fmt_spread(line.baseline.median, line.baseline.p10, line.baseline.p90)
+        cand = fmt_spread(line.candidate.median, line.candidate.p10, line.candidate.p90)
+        speedup = Text(fmt_speedup(iv), style=style)
+        if wide:
+            table.add_row(name, _ran_at(line), _basis(line), base, cand, speedup, marks)
+        else:  # a narrow terminal: the row's details and gate marks on lines under its name
+            detail = Text(f"{_ran_at(line)} · {_basis(line)} · {base} -> {cand} ms", style="dim")
+            table.add_row(Text.assemble(name, "\n", detail, "\n", marks), speedup)
     if v.lines:
         console.print(table)
     if any(line.ran_elsewhere for line in v.lines):

@@ -34,7 +34,7 @@ measured copy bandwidth, capped at the stage's own time) bounds the full-op spee
 T / (T - removable_ms); removing the whole stage at T / (T - stage_ms) (looser). The gate PASSes
 when share >= min_share and the removable bound >= min_bound under the declared denominator (the
 whole-stage bound when no `removable` is declared); else FAIL, a terminal NO-GO before candidate
-work. It is undecided (status null) when the evidence is missing: a failed row, an error below, or
+work. It is INCONCLUSIVE (status null) when the evidence is missing: a failed row, an error below, or
 stages that are invisible on this machine.
 
 Errors (the record's `errors`, each naming what is wrong): a kernel whose deciding name matches two
@@ -45,7 +45,7 @@ gated stage must match in the gated row. On CPU stage patterns are matched again
 record_function names; GPU kernel names (Triton under the interpreter) are invisible there. So on
 CPU the same rule applies only when the op exposes stage names at all (some stage matched
 something); when no stage matches anything on CPU, every stage is recorded as not visible, with a
-note, and the gate is undecided.
+note, and the gate is INCONCLUSIVE.
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def _json_numbers(numbers: dict) -> dict:
 
 def combine(gates: list[dict], errors: list[dict]) -> dict:
     """One {status, reason, numbers} for the amdahl kind: any FAIL fails; all PASS passes; errors or
-    an undecided gate leave it undecided (null)."""
+    an INCONCLUSIVE gate leave it INCONCLUSIVE (status null)."""
     if errors:
         return {"status": None, "reason": "profile error: " + "; ".join(e["message"] for e in errors),
                 "numbers": {"errors": [e["message"] for e in errors]}}
@@ -366,12 +366,12 @@ def profile_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_root
     record.update(started=started, finished=_now())
     _write_json(run_dir / "profile.json", record)
     g = record["gate"]
-    log(f"profile: amdahl pre-gate {g['status'] or 'UNDECIDED'}: {g['reason']}")
+    log(f"profile: amdahl pre-gate {g['status'] or 'INCONCLUSIVE'}: {g['reason']}")
     return record
 
 
 def exit_code(record: dict) -> int:
-    """0 PASS, 1 FAIL, 2 bad input or an error, 3 undecided."""
+    """0 PASS, 1 FAIL, 2 bad input or an error, 3 INCONCLUSIVE (the gate could not decide)."""
     if record.get("errors"):
         return 2
     return {"PASS": 0, "FAIL": 1}.get(record["gate"]["status"], 3)

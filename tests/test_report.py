@@ -278,6 +278,49 @@ def test_report_and_compare_commands(tmp_path, capsys):
     assert "B slower (intervals disjoint)" in html and html.count("<script") == 1
     assert not re.search(r"""(?:src|href)\s*=\s*["']?\s*(?:https?:)?//""", html, re.I)
 
+    # runs with different rows: each row only one side has is named, nothing crashes
+    other["rows"] = [r for r in other["rows"] if r["name"] != "S2/fwd"]
+    extra = json.loads(json.dumps(other["rows"][0]))
+    extra.update(name="S3/fwd", shape="S3")
+    other["rows"].append(extra)
+    (tmp_path / "b.json").write_text(json.dumps(other))
+    assert main(["compare", str(published), str(tmp_path / "b.json"), "--out", str(out_html)]) == 0
+    out = capsys.readouterr().out
+    assert "rows only in A: S2/fwd" in out and "rows only in B: S3/fwd" in out
+    html = out_html.read_text()
+    assert 'id="only-in-a">Rows only in A: S2/fwd<' in html and 'id="only-in-b">Rows only in B: S3/fwd<' in html
+
+
+def test_report_command_formats(tmp_path, capsys):
+    """`harness report` on a report directory (no records needed): the page re-rendered from
+    report.json alone, the verdict as a table, markdown (stdout stays the markdown) or JUnit."""
+    import xml.etree.ElementTree as ET
+
+    from harness.cli import main
+
+    loaded, run_dir = build_run_dir(tmp_path)
+    data = analyse.build_report(loaded, run_dir)
+    published = tmp_path / "reports" / loaded.exp.name / run_dir.name
+    analyse.write_report(data, published)
+    (published / "index.html").write_text("stale")
+    before = (published / "report.json").read_text()
+    roots = ["--reports-root", str(tmp_path / "reports")]
+    assert main(["report", str(published), *roots]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("NO-GO demo-report run ") and f"NO-GO: {published / 'index.html'}" in out
+    assert (published / "index.html").read_text().startswith("<!DOCTYPE html>")  # re-rendered
+    assert (published / "report.json").read_text() == before  # never rewritten
+    assert (tmp_path / "reports" / "index.html").is_file()
+    assert main(["report", str(published / "report.json"), "--format", "md", *roots]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.startswith("### NO-GO: demo-report run ") and "index.html" not in captured.out
+    assert f"NO-GO: {published / 'index.html'}" in captured.err
+    junit = tmp_path / "ci" / "verdict.xml"
+    assert main(["report", str(published), "--format", "junit", "--out", str(junit), *roots]) == 1
+    cases = ET.parse(junit).getroot().find("testsuite").findall("testcase")
+    assert [c.get("name") for c in cases] == [g["name"] for g in data["gates"]]
+    assert main(["report", str(tmp_path / "nothing-here"), *roots]) == 2
+
 
 def test_phase_records_reach_gates_and_sections(tmp_path):
     loaded, run_dir = build_run_dir(tmp_path, impossible_gate=False)

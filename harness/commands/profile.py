@@ -1,7 +1,7 @@
 """`harness profile EXP`: stage attribution of the untouched baseline and the Amdahl pre-gate, alone.
 
 Writes profile/<exp>/profile/<timestamp>/profile.json (the same record `harness run` writes into its
-run directory) and prints the table. Exit 0 PASS, 1 FAIL (terminal NO-GO), 3 undecided, 2 bad input
+run directory) and prints the table. Exit 0 PASS, 1 FAIL (terminal NO-GO), 3 INCONCLUSIVE, 2 bad input
 or an error (a stage that matches nothing, a kernel in two stages, the op failing).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def print_record(record: dict, top: int = 12, console=None) -> None:
         console.print(f"[red]error:[/] {e['message']}")
     g = record["gate"]
     color = {"PASS": "green", "FAIL": "red"}.get(g["status"], "yellow")
-    console.print(f"amdahl pre-gate: [{color}]{g['status'] or 'UNDECIDED'}[/] {g['reason']}")
+    console.print(f"amdahl pre-gate: [{color}]{g['status'] or 'INCONCLUSIVE'}[/] {g['reason']}")
 
 
 def run(args) -> int:

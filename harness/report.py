@@ -65,7 +65,7 @@ def _env() -> jinja2.Environment:
                    num=fmt_num, speedup=fmt_speedup, spread=fmt_spread)
     env.filters.update({k: _defined(f) for k, f in formats.items()})
     env.filters.update(slug=slug, columns=_columns, short=lambda s, n=12: (s or "")[:n] or "n/a",
-                       dims=verdict.dims_text, ran_at=lambda row: verdict.dims_text(verdict.row_dims(row)))
+                       dims=verdict.dims_text, side_label=verdict.side_label, ran_at=lambda row: verdict.dims_text(verdict.row_dims(row)))
     env.tests.update(scalar=_is_scalar, records=_records)
     env.globals.update(verdict_class=VERDICT_CLASS, gate_section=GATE_SECTION)
     return env

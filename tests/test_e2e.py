@@ -42,6 +42,11 @@ def test_slower_candidate_is_no_go(temp_repo):
     res = run_exp(temp_repo, exp)
     assert res.returncode == 1, res.stdout + res.stderr
     report, html = only_report(temp_repo, "slow-cand")
+    # the run ends with the verdict table: the row that decided, its dims, interval and gate mark
+    tail = res.stdout[res.stdout.rindex("NO-GO slow-cand run "):]
+    row_line = next(line for line in tail.splitlines() if line.startswith("small/fwd "))
+    assert "B4 T256 H1 K256 V256" in row_line and "endpoint FAIL" in row_line and "x [" in row_line
+    assert tail.rstrip().endswith("index.html") and "\x1b[" not in tail  # plain off a terminal
     gate = next(g for g in report["gates"] if g["name"] == "endpoint")
     assert gate["status"] == "FAIL"
     assert gate["numbers"]["hi"] < 1.25

@@ -19,7 +19,7 @@ from harness.profile import pregate_terminal
 from harness.records import Block, Measurement, declared_side, load_measurement, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # docs/report.schema.json: 2 = rows carry per-basis measurements (bases), report.measurement
 LOW_CLOCK_FRACTION = 0.75  # a block whose SM clock fell below this share of boost is flagged
 NO_GPU_VERDICT = ("CPU timings under Triton's interpreter are a smoke test of the pipeline, "
                   "not a performance verdict for GPU kernels")

@@ -117,8 +117,8 @@ def markdown(report: dict) -> str:
     if v.terminal:
         out += [f"> **Terminal:** {_md(v.terminal)}", ""]
     if v.lines:
-        out += ["Speedup = baseline median / candidate median; 95% interval over paired blocks. "
-                "Rows judged by a deciding gate come first.", ""]
+        out += [f"Speedup = {_md((report.get('units') or {}).get('speedup') or 'baseline / candidate time')}, "
+                "with its 95% interval. Rows judged by a deciding gate come first.", ""]
         out.append("| row | ran at | basis | baseline median (ms) | baseline p90 (ms) | candidate median (ms) "
                    "| candidate p90 (ms) | speedup [95% CI] | gates |")
         out.append("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")

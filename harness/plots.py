@@ -100,7 +100,7 @@ def speedup_forest(items: list[dict], thresholds: list[dict], name: str = "fores
         for k, (value, text) in enumerate(zip(by_value, texts)):
             ax.axvline(value, color=THRESHOLD_COLOURS[k % len(THRESHOLD_COLOURS)], lw=1.2,
                        ls=THRESHOLD_STYLES[k % len(THRESHOLD_STYLES)], label=_label(text))
-        ax.set_xlabel("speedup = baseline median / candidate median (x), 95% CI over blocks")
+        ax.set_xlabel("speedup = baseline time / candidate time (x), with its 95% interval")
         ax.set_ylim(-0.7, len(items) - 0.3)
         lines = [t.count("\n") + 1 for t in texts]
         legend_in = (0.16 * (sum(lines) if ncol == 1 else max(sum(lines[0::2]), sum(lines[1::2]))) + 0.35

@@ -7,11 +7,11 @@ each with a one-line summary). The terminal table, `harness report --format md|j
 compare table and the HTML verdict box are all rendered from these (harness/formats.py,
 harness/report.py), so a number reads the same everywhere.
 
-Report fields are read through the accessors below (`row_bases`, `row_basis`, `row_dims`,
-`row_stop`, `row_aa`, `row_plan`): each reads the measurement details a row may carry (per-basis
-timings, what ended the row, the A/A control, worker pairs and rounds) and falls back to the
-fields every report since schema 1 has (`baseline`/`candidate`/`speedup` on wall-clock time,
-`device_ms` on summed device time). New row fields plug in there, and only there.
+Report fields are read through the accessors below (`row_bases`, `row_primary_basis`,
+`row_basis`, `row_dims`, `row_stop`, `row_aa`, `row_plan`): each reads the measurement details of a
+schema-2 row (its `bases` map: per basis the timings, what ended its rounds, the A/A control,
+worker pairs and rounds) and falls back to what schema-1 reports have (`baseline`/`candidate`/
+`speedup` on wall-clock time, `device_ms` on summed device time). New row fields plug in there.
 """
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ STATUSES = ("PASS", "FAIL", "INCONCLUSIVE")  # the one word for each gate status
 SUMMARY_CHARS = 160  # a gate summary longer than this is cut at a word; the full reason is kept
 # shape names as declared; the dims a byte expression may use are derived, so not shown again
 DIM_KEYS = ("B", "T", "H", "K", "V")
-# where each basis's numbers come from in a schema-1 row (no `bases` map)
-LEGACY_BASIS_ORDER = ("wall", "device")
 
 
 # --- accessors: the one place that knows where a row keeps its numbers ---------------------------
@@ -32,12 +30,13 @@ def _interval(d) -> dict | None:
 
 
 def row_bases(row: dict) -> dict[str, dict]:
-    """{basis: {"baseline": summary, "candidate": summary, "speedup": interval}} for every timing
-    basis the row measured. A row's own `bases` map wins (e.g. graph, eager, device); else the
-    schema-1 fields: wall-clock samples, and summed device time (medians only) when profiled."""
+    """{basis: {"baseline": summary, "candidate": summary, "speedup": interval, ...}} for every
+    timing basis the row measured: the row's `bases` map (graph, eager, device, each also with its
+    A/A control, pairs, rounds and what ended it); for reports before it, the wall-clock fields and
+    the summed device time (medians only)."""
     bases = row.get("bases")
     if isinstance(bases, dict) and bases:
-        return {str(k): {"baseline": v.get("baseline") or {}, "candidate": v.get("candidate") or {},
+        return {str(k): {**v, "baseline": v.get("baseline") or {}, "candidate": v.get("candidate") or {},
                          "speedup": v.get("speedup") or {}} for k, v in bases.items() if isinstance(v, dict)}
     out = {"wall": {"baseline": row.get("baseline") or {}, "candidate": row.get("candidate") or {},
                     "speedup": row.get("speedup") or {}}}
@@ -48,46 +47,48 @@ def row_bases(row: dict) -> dict[str, dict]:
     return out
 
 
+def row_primary_basis(row: dict) -> str:
+    """The basis a gate declared `auto` reads on this row (its `primary_basis`; wall-clock before)."""
+    bases = row_bases(row)
+    primary = row.get("primary_basis")
+    return primary if primary in bases else next(iter(bases))
+
+
 def row_basis(row: dict, gate_bases: list[str] = ()) -> str:
-    """The basis a line shows: the first one a gate on this row reads, else the row's own primary
-    basis (`basis`), else the first it measured."""
+    """The basis a line shows: the first one a gate on this row reads, else the row's primary."""
     bases = row_bases(row)
     for b in gate_bases:
         if b in bases:
             return b
-    if row.get("basis") in bases:
-        return row["basis"]
-    for b in LEGACY_BASIS_ORDER:
-        if b in bases:
-            return b
-    return next(iter(bases))
+    return row_primary_basis(row)
+
+
+def row_stop(row: dict, basis: str) -> str | None:
+    """What ended the row's rounds on `basis` (resolved, budget, limit, fixed, failed), when recorded."""
+    stop = row_bases(row).get(basis, {}).get("stop")
+    if isinstance(stop, dict):
+        return stop.get("reason")
+    return stop if isinstance(stop, str) else None
+
+
+def row_aa(row: dict, basis: str) -> dict | None:
+    """The A/A control interval on `basis` (baseline against a baseline twin) when measured."""
+    return _interval(row_bases(row).get(basis, {}).get("aa_control"))
+
+
+def row_plan(row: dict, basis: str) -> dict:
+    """How the row was measured on `basis`: worker pairs and rounds, else (older reports) blocks."""
+    entry = row_bases(row).get(basis, {})
+    out = {k: entry[k] for k in ("pairs", "rounds") if isinstance(entry.get(k), int)}
+    if not out and isinstance(row.get("blocks"), dict):
+        out = {"blocks": row["blocks"]}
+    return out
 
 
 def row_dims(row: dict) -> dict:
     """The dims the row ran at (B, T, H, K, V; the cpu profile's on a CPU run)."""
     dims = row.get("dims") or {}
     return {k: dims[k] for k in DIM_KEYS if dims.get(k) is not None}
-
-
-def row_stop(row: dict) -> str | None:
-    """What ended the row's measurement ("resolved", "budget", ...) when the report says."""
-    stop = row.get("stop")
-    if isinstance(stop, dict):
-        return stop.get("reason")
-    return stop if isinstance(stop, str) else None
-
-
-def row_aa(row: dict) -> dict | None:
-    """The row's A/A control interval (baseline against a baseline twin) when measured."""
-    return _interval(row.get("aa"))
-
-
-def row_plan(row: dict) -> dict:
-    """How the row was measured: worker pairs and rounds when the report says, else blocks."""
-    out = {k: row[k] for k in ("pairs", "rounds") if isinstance(row.get(k), int)}
-    if not out and isinstance(row.get("blocks"), dict):
-        out = {"blocks": row["blocks"]}
-    return out
 
 
 def dims_text(dims: dict) -> str:
@@ -110,9 +111,14 @@ def declared_dims(report: dict) -> dict[str, dict]:
 
 # --- gates -------------------------------------------------------------------------------------
 
-def gate_basis(gate: dict) -> str | None:
-    """The timing basis a gate reads (timing gates carry it in their numbers)."""
-    b = (gate.get("numbers") or {}).get("basis")
+def gate_basis(gate: dict, row_name: str | None = None) -> str | None:
+    """The timing basis a gate reads (timing gates carry it in their numbers; `auto` is each row's
+    primary basis, resolved per row in numbers.rows where the gate judges several)."""
+    numbers = gate.get("numbers") or {}
+    for name, entry in (numbers.get("rows") or {}).items() if row_name else ():
+        if gate_row_matches(str(name), row_name) and isinstance(entry, dict) and isinstance(entry.get("basis"), str):
+            return entry["basis"]
+    b = numbers.get("basis")
     return b if isinstance(b, str) else None
 
 
@@ -150,7 +156,7 @@ def gate_summary(gate: dict) -> str:
     if isinstance(per_row, dict) and per_row and all(isinstance(e, dict) and "status" in e for e in per_row.values()):
         counts = {s: [n for n, e in per_row.items() if e["status"] == s] for s in STATUSES}
         parts = [f"{len(counts[s])} {s}" for s in ("FAIL", "INCONCLUSIVE", "PASS") if counts[s]]
-        text = f"{len(per_row)} rows: " + ", ".join(parts)
+        text = f"{len(per_row)} row{'s' if len(per_row) != 1 else ''}: " + ", ".join(parts)
         worst = next((counts[s] for s in ("FAIL", "INCONCLUSIVE") if counts[s]), None)
         if worst:
             name = worst[0]
@@ -289,9 +295,9 @@ def verdict_lines(report: dict) -> list[VerdictLine]:
             if st is not None:
                 # a row decides with a gate only where its own status is the gate's (a no-regression
                 # FAIL is decided by the rows that failed, not by those left INCONCLUSIVE)
-                marks.append(GateMark(g["name"], st, gate_basis(g), g["name"] in deciding and st == g.get("status")))
+                marks.append(GateMark(g["name"], st, gate_basis(g, name), g["name"] in deciding and st == g.get("status")))
         marks.sort(key=lambda m: not m.deciding)
-        basis = row_basis(row, [m.basis for m in marks if m.basis])
+        basis = row_basis(row, [m.basis for m in marks if m.basis and m.basis != "auto"])
         numbers = row_bases(row)[basis]
         dims = row_dims(row)
         want = declared.get(row.get("shape"))
@@ -300,7 +306,8 @@ def verdict_lines(report: dict) -> list[VerdictLine]:
             declared_dims=want if want and dims and want != dims else None,
             basis=basis, bases=list(row_bases(row)), baseline=Side.of(numbers["baseline"]),
             candidate=Side.of(numbers["candidate"]), speedup=numbers["speedup"], marks=marks,
-            deciding=any(m.deciding for m in marks), stop=row_stop(row), aa=row_aa(row), plan=row_plan(row)))
+            deciding=any(m.deciding for m in marks), stop=row_stop(row, basis), aa=row_aa(row, basis),
+            plan=row_plan(row, basis)))
 
     def order(line: VerdictLine) -> int:
         ranks = [deciding.index(m.name) for m in line.marks if m.deciding]

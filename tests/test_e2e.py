@@ -32,8 +32,14 @@ def run_exp(repo, exp_path, *extra):
 
 
 def only_report(repo, name) -> tuple[dict, str]:
+    """The one published report of an experiment, checked against docs/report.schema.json."""
+    import jsonschema
+
     [report_json] = list((repo.root / "reports" / name).glob("*/report.json"))
-    return json.loads(report_json.read_text()), (report_json.parent / "index.html").read_text()
+    report = json.loads(report_json.read_text())
+    jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()),
+                        cls=jsonschema.Draft202012Validator)
+    return report, (report_json.parent / "index.html").read_text()
 
 
 def test_slower_candidate_is_no_go(temp_repo):

@@ -42,11 +42,11 @@ def test_plain_table_off_a_terminal(demo, monkeypatch):
     row_line = next(line for line in lines if line.startswith("S1/fwdbwd"))
     iv = s1["speedup"]
     # one line per row: dims, basis, medians with p10-p90, the speedup and its interval, gate marks
-    for part in ("B1 T256 H2 K32 V32", "wall (+device)", f"{iv['point']:.3f}x [{iv['lo']:.3f}, {iv['hi']:.3f}]",
+    for part in ("B1 T256 H2 K32 V32", "eager (+device)", f"{iv['point']:.3f}x [{iv['lo']:.3f}, {iv['hi']:.3f}]",
                  "s1-triple FAIL"):
         assert part in row_line, (part, row_line)
     assert lines.index(row_line) < min(i for i, line in enumerate(lines) if line.startswith(("S1/fwd ", "S2/")))
-    assert any(line.strip().startswith("FAIL s1-triple (speedup, wall): S1/fwdbwd: speedup") for line in lines)
+    assert any(line.strip().startswith("FAIL s1-triple (speedup, eager): S1/fwdbwd") for line in lines)
 
 
 def test_colour_on_a_terminal(demo, monkeypatch):
@@ -69,7 +69,7 @@ def test_markdown(demo):
     first = next(line for line in md.splitlines() if line.startswith("| **S1/fwdbwd**"))
     assert f"| {s1['baseline']['median']:.4g} | {s1['baseline']['p90']:.4g} |" in first
     assert "s1-triple **FAIL**" in first
-    assert "| s1-triple | speedup | wall | **FAIL** |" in md
+    assert "| s1-triple | speedup | eager | **FAIL** |" in md
     # cells stay cells: pipes escaped, markup shown as text
     assert "note with a \\| pipe and &lt;b&gt;markup&lt;/b&gt;" in md and "<b>markup" not in md
     assert "> **No GPU verdict.**" in md and "<details><summary>full gate reasons</summary>" in md
@@ -113,5 +113,5 @@ def test_narrow_terminal_stacks_each_row(demo, monkeypatch):
     s1 = next(r for r in demo["rows"] if r["name"] == "S1/fwdbwd")
     i = next(i for i, line in enumerate(lines) if line.startswith("S1/fwdbwd "))
     assert f"{s1['speedup']['point']:.3f}x [" in lines[i]
-    assert lines[i + 1].startswith("B1 T256 H2 K32 V32 · wall (+device) · ")
+    assert lines[i + 1].startswith("B1 T256 H2 K32 V32 · eager (+device) · ")
     assert "s1-triple FAIL" in " ".join(lines[i + 1:i + 5])

@@ -267,7 +267,9 @@ def test_report_and_compare_commands(tmp_path, capsys):
     data = json.loads((published / "report.json").read_text())
     other = json.loads(json.dumps(data))
     other["run"]["id"] = "B"
-    other["rows"][0]["speedup"].update(point=1.0, lo=0.9, hi=1.1)
+    first = other["rows"][0]
+    for iv in (first["speedup"], first["bases"][first["primary_basis"]]["speedup"]):  # as read, on its basis
+        iv.update(point=1.0, lo=0.9, hi=1.1)
     other["gates"][0]["status"] = "FAIL"
     (tmp_path / "b.json").write_text(json.dumps(other))
     out_html = tmp_path / "cmp.html"

@@ -34,7 +34,8 @@ def test_demo_lines(demo):
     assert first.row == "S1/fwdbwd" and first.deciding  # the deciding gate's row leads
     row = next(r for r in demo["rows"] if r["name"] == "S1/fwdbwd")
     assert first.baseline.median == row["baseline"]["median"] and first.candidate.p90 == row["candidate"]["p90"]
-    assert first.speedup == row["speedup"] and first.basis == "wall" and first.bases == ["wall", "device"]
+    assert first.speedup == row["speedup"] and first.basis == "eager" and first.bases == ["eager", "device"]
+    assert first.plan == {"pairs": 3, "rounds": 3} and first.stop is None and first.aa is None  # the first engine
     assert first.dims == {"B": 1, "T": 256, "H": 2, "K": 32, "V": 32} and not first.ran_elsewhere
     marks = {m.name: (m.status, m.deciding) for m in first.marks}
     assert marks["s1-triple"] == ("FAIL", True)
@@ -90,26 +91,37 @@ def test_cpu_smoke_rows_show_the_dims_they_ran_at(tmp_path):
     assert verdict.dims_text(line.dims) == "B2 T64 H1 K32 V32"
 
 
-def test_rows_with_per_basis_timings(demo):
-    """Rows that carry a `bases` map (graph replay, eager events, device time), what ended them and
-    an A/A control: lines read the basis the gates name, with that basis's numbers."""
+def test_line_reads_the_basis_its_gates_read(demo):
+    """A row measured on several bases (graph replay, eager, device time), with what ended each
+    basis's rounds and its A/A control: a line shows the basis its gates read, with that basis's
+    numbers; a row no gate names a basis for shows its primary basis."""
     report = copy.deepcopy(demo)
     row = next(r for r in report["rows"] if r["name"] == "S1/fwdbwd")
-    summary = {"n": 90, "median": 1.0, "mean": 1.0, "std": 0.01, "min": 0.98, "p10": 0.99, "p90": 1.01,
-               "quantile_method": "linear"}
-    row["bases"] = {
-        "graph": {"baseline": summary, "candidate": {**summary, "median": 0.5}, "speedup": {"point": 2.0, "lo": 1.98, "hi": 2.02}},
-        "eager": {"baseline": summary, "candidate": {**summary, "median": 0.8}, "speedup": {"point": 1.25, "lo": 1.2, "hi": 1.3}},
-    }
-    row["basis"], row["stop"], row["aa"] = "graph", {"reason": "resolved"}, {"point": 1.0, "lo": 0.998, "hi": 1.002}
-    row["pairs"], row["rounds"] = 2, 30
-    gate = next(g for g in report["gates"] if g["name"] == "s1-triple")
-    gate["numbers"]["basis"] = "eager"
+    graph = copy.deepcopy(row["bases"]["eager"])
+    graph.update(basis="graph", pairs=2, rounds=30,
+                 candidate={**graph["candidate"], "median": 0.5 * graph["baseline"]["median"]},
+                 speedup={**graph["speedup"], "point": 2.0, "lo": 1.99, "hi": 2.01},
+                 aa_control={**graph["speedup"], "point": 1.0, "lo": 0.998, "hi": 1.002},
+                 stop={"basis": "graph", "reason": "resolved", "pairs": 2, "rounds": 30})
+    row["bases"]["graph"], row["primary_basis"] = graph, "graph"
     line = verdict.verdict_lines(report)[0]
-    assert line.row == "S1/fwdbwd" and line.basis == "eager" and line.candidate.median == 0.8
-    assert line.speedup["point"] == 1.25 and line.bases == ["graph", "eager"]
-    assert line.stop == "resolved" and line.aa["hi"] == 1.002 and line.plan == {"pairs": 2, "rounds": 30}
-    gate["numbers"].pop("basis")
-    for g in report["gates"]:
+    assert line.row == "S1/fwdbwd" and line.basis == "eager"  # s1-triple reads eager
+    assert line.speedup == row["bases"]["eager"]["speedup"] and line.bases == ["eager", "device", "graph"]
+    for g in report["gates"]:  # no gate names a basis: the row's primary
         g["numbers"].pop("basis", None)
-    assert verdict.verdict_lines(report)[0].basis == "graph"  # no gate names one: the row's own
+        for entry in (g["numbers"].get("rows") or {}).values():
+            entry.pop("basis", None)
+    line = verdict.verdict_lines(report)[0]
+    assert line.basis == "graph" and line.candidate.median == graph["candidate"]["median"]
+    assert line.speedup["point"] == 2.0 and line.stop == "resolved" and line.aa["hi"] == 1.002
+    assert line.plan == {"pairs": 2, "rounds": 30}
+
+
+def test_schema_1_rows_read_as_wall_clock():
+    """A report from before per-basis rows (the committed H200 ones): the wall-clock fields, and the
+    summed device time as a second basis."""
+    report = _committed("pkda-keep-solve")
+    line = next(line for line in verdict.verdict_lines(report) if line.row == "B4_T2048_H16_D128/fwdbwd")
+    row = next(r for r in report["rows"] if r["name"] == line.row)
+    assert line.basis == "wall" and line.bases == ["wall", "device"] and line.speedup == row["speedup"]
+    assert line.plan == {"blocks": row["blocks"]} and line.stop is None and line.aa is None

@@ -131,7 +131,7 @@ def print_comparison(c: dict) -> None:
     console.print(f"B: {escape(c['b']['experiment'])} {escape(c['b']['run_id'])} -> {escape(str(c['b']['verdict']))}")
     for w in c["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}")
-    rows = Table(title="speedup per row (baseline median / candidate median, 95% interval)", title_justify="left")
+    rows = Table(title="speedup per row (baseline / candidate time, 95% interval)", title_justify="left")
     for col in ("row", "basis", "A", "B", "B / A", "intervals"):
         rows.add_column(col, justify="right" if col == "B / A" else "left")
     for r in c["rows"]:

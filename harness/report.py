@@ -263,20 +263,11 @@ def attempt_history(entries: list[dict], reports: dict[str, dict]) -> list[dict]
     return out
 
 
-def timing_bases(report: dict) -> list[str]:
-    """Every timing basis some row measured, in first-seen order (columns of the speedup table)."""
-    out: list[str] = []
-    for row in report.get("rows") or []:
-        out += [b for b in verdict.row_bases(row) if b not in out]
-    return out
-
-
 def render_html(report: dict) -> str:
     """The report page for one run, from its report.json dict alone."""
     rows = {r["name"]: r for r in report.get("rows") or []}
     return _env().get_template("report.html.j2").render(
-        r=report, v=verdict.build_verdict(report), rows_by_name=rows, bases=timing_bases(report),
-        row_bases=verdict.row_bases, figures=build_figures(report), headline=headline(report),
+        r=report, v=verdict.build_verdict(report), figures=build_figures(report), headline=headline(report),
         ncu=ncu_view((report.get("phases") or {}).get("ncu")),
         failed_blocks=[b for b in report["blocks"] if b["status"] != "ok"],
         row_failures=[f for f in report["failures"] if f.get("shape")],

@@ -76,11 +76,12 @@ class TempRepo:
         return sha
 
     def experiment(self, name: str, candidate: str, gates: str, extra: str = "", blocks: int = 3,
-                   samples: int = 5, shapes: str | None = None, engine: str = "lockstep", rounds: int = 3,
-                   control: bool = True) -> Path:
+                   samples: int = 5, shapes: str | None = None, engine: str = "lockstep", rounds: int = 4,
+                   control: bool = False) -> Path:
         """An experiment on this repository's op. The lockstep engine gets `blocks` worker pairs and a
-        fixed `rounds` rounds of `samples` calls (min = max rounds: a CPU test's cost stays known);
-        engine "blocks" gets `blocks` fresh-process blocks a side of `samples` samples."""
+        fixed `rounds` rounds of `samples` calls (min = max rounds, whole cycles of side orders: 2 per
+        cycle, 6 with the A/A control; a CPU test's cost stays known); engine "blocks" gets `blocks`
+        fresh-process blocks a side of `samples` samples."""
         shapes = shapes or "  - {name: small, B: 4, T: 256, H: 1, K: 256, V: 256}\n"
         pairs = max(blocks, 2)
         measure = (f"measure: {{engine: {engine}, pairs: {pairs}, max_pairs: {pairs}, min_rounds: {rounds}, "

@@ -58,7 +58,7 @@ def test_slower_candidate_is_no_go(temp_repo):
     assert gate["numbers"]["hi"] < 1.25
     assert "endpoint" in html and "FAIL" in html
     row = next(r for r in report["rows"] if r["shape"] == "small" and r["mode"] == "fwd")
-    assert row["baseline"]["n"] == 3 * 3 * 5 and row["candidate"]["n"] == 3 * 3 * 5  # pairs x rounds x calls
+    assert row["baseline"]["n"] == 3 * 4 * 5 and row["candidate"]["n"] == 3 * 4 * 5  # pairs x rounds x calls
     assert 0.2 < row["speedup"]["point"] < 0.6  # ~1/3, with CPU noise
     # the report's attempt history holds the attempt of the very run it reports
     mine = [a for a in report["phases"]["attempts"] if a.get("run_id") == report["run"]["id"]]
@@ -144,7 +144,7 @@ def test_unresolvable_candidate_exits_2(temp_repo):
 
 def test_aa_and_bench_only_runs_measure_the_baseline_and_log_no_attempt(temp_repo):
     temp_repo.branch("slow", work=12)
-    exp = temp_repo.experiment("aa", "slow", SPEEDUP_GATE)
+    exp = temp_repo.experiment("aa", "slow", SPEEDUP_GATE, control=True, rounds=6)
     res = run_exp(temp_repo, exp, "--aa")
     assert res.returncode in (0, 1, 3), res.stdout + res.stderr  # timing on this CPU is noise either way
     report, _ = only_report(temp_repo, "aa")

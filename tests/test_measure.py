@@ -195,7 +195,7 @@ def test_a_worker_killed_mid_round_loses_and_repeats_nothing(tmp_path):
     m = load_measurement(samples)
     series = m.series[("row", "fwd", "eager")]
     assert series.n_rounds == len(rounds_done)  # exactly the rounds that finished, once each
-    assert len(series.pairs.get(lost_pair, [])) < 3  # the lost pair's round in flight is not there
+    assert len(series.pairs.get(lost_pair, [])) < 4  # the lost pair's round in flight is not there
     report = only_report(root, "dies")
     sp = next(g for g in report["gates"] if g["name"] == "sp")
     assert sp["status"] == "INCONCLUSIVE" and "worker" in sp["reason"]  # a lost worker: no PASS on the rest

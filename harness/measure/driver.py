@@ -42,7 +42,9 @@ TRAIN_MODE = "train"
 # on a fresh machine take minutes per shape), anything else (a burst, a profiled call)
 TIMEOUTS = {"hello": 600.0, "prepare": float(os.environ.get("HARNESS_PREPARE_TIMEOUT", 3600)), "other": 1200.0}
 # the side order of a round, by round index: every side in every position and after every other
-# side equally often over a cycle, so drift within a round cancels
+# side equally often over a cycle, so drift within a round and any effect of a burst's position in
+# its round cancel; a pair's rounds are whole cycles (on the H200, 2026-12-03, rounds that were not
+# gave the workers measured first in more rounds a 0.1% edge in A/A runs: docs/perf/measurement.md)
 ORDERS = {2: [(0, 1), (1, 0)], 3: [(0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2)]}
 
 
@@ -376,7 +378,9 @@ class Driver:
         series = self.series(row.key, basis)
         self.known.series[(*row.key, basis)] = series
         counts: dict[int, int] = {}  # rounds each pair of this session has done on this row and basis
-        target = self.spec.min_rounds if gated else self.spec.secondary_rounds
+        cycle = len(ORDERS[len(self.sides)])
+        whole = lambda n: -(-n // cycle) * cycle  # noqa: E731 - rounds up to whole cycles of side orders
+        target = whole(self.spec.min_rounds if gated else self.spec.secondary_rounds)
         lim = stopping.Limits(self.spec.target_half_width, self.spec.min_rounds, self.spec.max_rounds,
                               self.spec.max_pairs, self.spec.row_budget_s)
         self.progress.row_started(row.name, basis, len(self.live_pairs(row.key)))
@@ -395,7 +399,8 @@ class Driver:
                 if live:
                     self.progress.rounds_progress(row.name, basis, min(counts.get(p.id, 0) for p in live), target,
                                                   len(live))
-                over = time.monotonic() - t0 >= lim.budget_s
+                # the budget ends a row only between whole cycles of side orders, as the target does
+                over = time.monotonic() - t0 >= lim.budget_s and all(counts.get(p.id, 0) % cycle == 0 for p in live)
             iv = stats.ratio_interval(series, "base", "cand")
             if not gated:
                 self.end_row(row, basis, "fixed", f"{target} rounds (no gate reads {basis})", series, t0, iv)
@@ -418,7 +423,7 @@ class Driver:
                         p.rows.discard(row.key)  # a pair that could not capture the row cannot join its graph basis
                     elif graph and basis != "graph":
                         self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
-            target = max(target, d.rounds)
+            target = max(target, whole(d.rounds))
 
     def one_round(self, pair: Pair, row: RowPlan, basis: str, index: int, series: stats.Series) -> None:
         n = len(pair.workers)

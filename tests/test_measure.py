@@ -252,3 +252,18 @@ def _alive(pid: int) -> bool:
         return "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
     except OSError:
         return False
+
+
+def test_which_bursts_are_left_out_for_the_clock():
+    from harness.measure.detail.telemetry import throttled
+
+    top = {"max_sm_clock_mhz": 1980}
+    assert throttled(None) is None
+    assert throttled({**top, "sm_clock_mhz": 1980, "throttle_reasons": []}) is None
+    # a low clock with no power cap: something else held the chip down
+    assert "< 75%" in throttled({**top, "sm_clock_mhz": 1290, "throttle_reasons": []})
+    # a power-bound kernel's normal state (the H200's matmul chain ran at 1275-1600 MHz under it)
+    assert throttled({**top, "sm_clock_mhz": 1290, "throttle_reasons": ["sw_power_cap"]}) is None
+    # thermal and hardware slowdowns are left out whatever the clock reads
+    assert "hw_thermal_slowdown" in throttled({**top, "sm_clock_mhz": 1900,
+                                               "throttle_reasons": ["sw_power_cap", "hw_thermal_slowdown"]})

@@ -162,6 +162,7 @@ class Driver:
         self.side_env, self.side_op, self.training_job_row = side_env, side_op, training_job_row
         self.sides = ["baseline", "candidate"] + (["control"] if self.spec.control else [])
         self.pairs: list[Pair] = []
+        self.cannot_start: str | None = None  # set when a whole batch of new pairs failed to start
         self.known = load_measurement(self.samples_path)
         self.next_worker = max((w.index for w in self.known.workers), default=-1) + 1
         self.next_pair = max((w.pair for w in self.known.workers if w.pair is not None), default=-1) + 1
@@ -239,6 +240,10 @@ class Driver:
         for p in new:
             if not p.alive:
                 self.end_pair(p, "a worker of its pair did not start")
+        if new and not live:
+            # every worker of that kind failed to start (an op that does not import, a package at the
+            # wrong version): a setup error, which more pairs would only repeat
+            self.cannot_start = "no worker pair could start (see the failed workers)"
         self.pairs += live
         return live
 
@@ -366,7 +371,7 @@ class Driver:
 
     def ensure_pairs(self, n: int) -> None:
         have = sum(1 for p in self.pairs if p.alive)
-        if have < n:
+        if have < n and not self.cannot_start:
             self.start_pairs(n - have)
 
     def series(self, key, basis: str) -> stats.Series:
@@ -414,7 +419,10 @@ class Driver:
                 return
             if d.add_pairs:
                 self.progress.message(f"{row.name} {basis}: {d.detail}; starting {d.add_pairs} more pair(s)")
-                new = self.start_pairs(d.add_pairs)
+                new = [] if self.cannot_start else self.start_pairs(d.add_pairs)
+                if not new:
+                    self.end_row(row, basis, "limit", f"{d.detail}; no more pairs could start", series, t0, iv)
+                    return
                 replies = self.prepare(new, row, graph)
                 for p in new:
                     if row.key not in p.rows:

@@ -67,8 +67,11 @@ def test_package_version_mismatch_fails_every_block_naming_both_versions(temp_re
     [report] = (temp_repo.root / "reports" / "pkg-mismatch").glob("*/report.json")
     data = json.loads(report.read_text())
     failed = [b for b in data["blocks"] if b["status"] == "failed"]
-    assert {b["side"] for b in failed} == {"baseline"} and len(failed) == 3
-    assert all("fakeop is 1.2.3, the side declares 9.9.9" in b["error"] for b in failed)
+    # every worker of the package side (baseline, and its A/A control twin) refused to start, naming
+    # both versions; their pairs' candidate workers ended with them; no second set of pairs was tried
+    named = [b for b in failed if "fakeop is 1.2.3, the side declares 9.9.9" in (b["error"] or "")]
+    assert {b["side"] for b in named} == {"baseline", "control"} and len(named) == 6
+    assert {b["side"] for b in failed} == {"baseline", "candidate", "control"} and len(failed) == 9
 
 
 def test_package_side_cannot_be_frozen(tmp_path):

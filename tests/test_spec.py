@@ -111,4 +111,6 @@ def test_device_basis_is_for_whole_call_gates(tmp_path):
     msg = errors(tmp_path, unprofiled)
     assert "exp.yaml:14: gates[0].basis" in msg and "stage_iters must be >= 1" in msg, msg
     ok = load_experiment(write(tmp_path, GOOD.replace("margin: 0.02}", "margin: 0.02, basis: device}")))
-    assert ok.exp.gates[1].basis == "device" and ok.exp.gates[0].basis == "wall"
+    assert ok.exp.gates[1].basis == "device" and ok.exp.gates[0].basis == "auto"  # auto: the row's primary basis
+    older = load_experiment(write(tmp_path, GOOD.replace("threshold: 1.10}", "threshold: 1.10, basis: wall}")))
+    assert older.exp.gates[0].basis == "eager"  # older files' `wall` is the eager basis

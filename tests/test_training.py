@@ -20,6 +20,7 @@ from harness import analyse, gates as G
 from harness.bench import BenchSettings, training_job_row
 from harness.records import append_jsonl, load_blocks
 from harness.spec import Experiment, SpecError, load_experiment
+from harness.stats import Series
 from harness.training import run_training_rows
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,8 +160,8 @@ def test_identical_sides_record_equal_first_losses_and_finite_steps(tmp_path):
     first = blocks[0].train_losses["dense"]
     assert abs(first[0] - torch.log(torch.tensor(32.0)).item()) < 0.3
     assert first[-1] < first[0]
-    times, firsts = G.training_from_blocks(blocks)
-    assert [len(b) for b in times["dense"][0]] == [3] and firsts["varlen"][0] == firsts["varlen"][1]
+    dense = G.worker_series(blocks, lambda w: w.train_ms.get("dense"))
+    assert [len(b) for b in dense.per_pair("base")] == [3] and [len(c) for c in dense.per_pair("cand")] == [3]
 
 
 def test_non_finite_loss_is_a_row_failure(tmp_path):
@@ -174,7 +175,7 @@ def test_non_finite_loss_is_a_row_failure(tmp_path):
 
 def test_first_step_loss_mismatch_fails_the_training_gate_with_numbers():
     exp = Experiment.model_validate(exp_dict())
-    fast = ([[2.0] * 5] * 3, [[2.0 / 1.3] * 5] * 3)
+    fast = Series.from_blocks([[2.0] * 5] * 3, [[2.0 / 1.3] * 5] * 3)
     same = {"dense": ([3.4] * 3, [3.4] * 3), "varlen": ([3.5] * 3, [3.5] * 3)}
     ev = G.Evidence(training={"dense": fast, "varlen": fast}, training_first_loss=same)
     r = G.evaluate_gate(exp.gates[0], ev, exp=exp)
@@ -198,7 +199,7 @@ def test_first_step_loss_mismatch_fails_the_training_gate_with_numbers():
 
 def test_training_row_failure_blocks_a_pass():
     exp = Experiment.model_validate(exp_dict())
-    fast = ([[2.0] * 5] * 3, [[2.0 / 1.3] * 5] * 3)
+    fast = Series.from_blocks([[2.0] * 5] * 3, [[2.0 / 1.3] * 5] * 3)
     same = {"dense": ([3.4] * 3, [3.4] * 3), "varlen": ([3.5] * 3, [3.5] * 3)}
     ok = G.evaluate_gate(exp.gates[0], G.Evidence(training={"dense": fast, "varlen": fast},
                                                   training_first_loss=same), exp=exp)
@@ -238,7 +239,8 @@ def test_harness_run_with_training_rows_reports_them(temp_repo):
     rows = {t["name"]: t for t in report["training"]}
     assert set(rows) == {"dense", "varlen"}
     for name, t in rows.items():
-        assert t["baseline"]["n"] == 3 * ROW["steps"] and t["candidate"]["n"] == 3 * ROW["steps"], name
+        # 3 worker pairs x 4 rounds (whole cycles of side orders) x the row's timed steps a burst
+        assert t["baseline"]["n"] == 3 * 4 * ROW["steps"] and t["candidate"]["n"] == 3 * 4 * ROW["steps"], name
         assert t["blocks"] == {"baseline": 3, "candidate": 3}
         assert t["speedup"]["point"] is not None and t["speedup"]["lo"] is not None
         assert t["tokens_per_step"] == 64 and t["tokens_per_s"]["baseline"] > 0

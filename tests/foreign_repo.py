@@ -107,9 +107,9 @@ candidate:
 modes: [fwd, fwdbwd]
 dtype: float32
 seed: 3
-blocks: 3
-samples_per_block: 3
 warmup: 1
+# the fewest worker processes whose interval can still exclude 1.0 (3 pairs: 2 degrees of freedom)
+measure: {{pairs: 3, max_pairs: 3, calls_per_burst: 2, min_rounds: 2, max_rounds: 2, control: false}}
 shapes:
   - {{name: m160_n128_d192, M: 160, N: 128, D: 192}}
 stages:

@@ -140,25 +140,6 @@ def load_file_fn(file: str, fn: str, module_name: str):
     return getattr(module, fn), str(Path(file).resolve())
 
 
-def load_installed(target: str, package: dict):
-    """`module:function` of an installed distribution, which must be at the declared version."""
-    import importlib
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = version(package["name"])
-    except PackageNotFoundError as e:
-        raise RuntimeError(f"package {package['name']!r} is not installed (the side declares "
-                           f"{package['name']}=={package['version']})") from e
-    if found != package["version"]:
-        raise RuntimeError(f"package {package['name']} is {found}, the side declares {package['version']}")
-    module_name, fn = target.split(":")
-    module = importlib.import_module(module_name)
-    if not hasattr(module, fn):
-        raise RuntimeError(f"{module_name} ({module.__file__}) has no function {fn!r}")
-    return getattr(module, fn), str(Path(module.__file__).resolve())
-
-
 def load_reference(job: dict):
     """The reference: a function of the adapter file, or `module:function` from the worktree."""
     if job.get("reference_file"):
@@ -497,9 +478,12 @@ def setup_check(job: dict, result: dict) -> None:
     """`harness validate`'s look at one side: the op (and on the baseline the reference) import,
     the inputs factory builds one small input on the CPU. Nothing is called: an op may take
     minutes to compile, which a run finds out soon enough."""
-    if job.get("package"):
+    if job.get("package"):  # an installed distribution at its declared version, as a block imports it
+        from harness.worker import _load_op
+
         result["stage"] = "op"
-        _, result["imported"]["op"] = load_installed(job["op"], job["package"])
+        _load_op("", job["op"], job["package"])
+        result["imported"]["op"] = sys.modules[job["op"].split(":")[0]].__file__
         return
     result["stage"] = "inputs"
     inputs_fn, result["imported"]["inputs"] = load_file_fn(job["inputs_file"], job["inputs_fn"],

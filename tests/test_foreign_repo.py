@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from foreign_repo import TESTS, TESTS_EDITED, ForeignRepo
@@ -45,6 +46,8 @@ def test_whole_protocol_on_a_foreign_repository(foreign, tmp_path):
     assert (results / "profile" / "tiny" / "runs" / "r1" / "run.json").is_file()
     report = json.loads((results / "reports" / "tiny" / "r1" / "report.json").read_text())
     assert not (ROOT / "reports" / "tiny").exists()
+    jsonschema.validate(report, json.loads((ROOT / "docs" / "report.schema.json").read_text()),
+                        cls=jsonschema.Draft202012Validator)
 
     assert report["verdict"] == "NO-GO"
     status = {g["name"]: g["status"] for g in report["gates"]}

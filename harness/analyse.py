@@ -27,7 +27,7 @@ NO_GPU_VERDICT = ("CPU timings under Triton's interpreter are a smoke test of th
 # profile.json decides amdahl and ncu.json ncu (their `gate`); freeze.json's gate is the baseline
 # gate (a FAIL there is a terminal red baseline, not a gate of this table); training.json feeds
 # the training gate with blocks.
-PHASE_FILES = ("verify", "freeze", "profile", "ncu", "training", "agreement")
+PHASE_FILES = ("verify", "freeze", "pytest", "profile", "ncu", "training", "agreement")
 PHASE_GATE = {"profile": "amdahl", "ncu": "ncu", "agreement": "agreement"}
 
 
@@ -265,6 +265,9 @@ def _phases(run_dir: Path, exp_dir: Path | None) -> tuple[dict[str, dict | None]
         gate = (records.get(name) or {}).get("gate")
         if isinstance(gate, dict):
             verdicts[kind] = G.PhaseVerdict.from_json(gate)
+    for name, entry in ((records.get("pytest") or {}).get("gates") or {}).items():  # one per pytest gate
+        if isinstance(entry.get("gate"), dict):
+            verdicts[f"pytest:{name}"] = G.PhaseVerdict.from_json(entry["gate"])
     return records, verdicts
 
 

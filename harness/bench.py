@@ -115,7 +115,10 @@ def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: 
     # coin-flip between near-equal configs), and the first compile on a fresh GPU machine
     # (about a minute per dtype and head-dim pair there) is paid once, not twice.
     env["TRITON_CACHE_DIR"] = str(triton_cache_dir(loaded, profile_root))
-    env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # a CPU run's `cpu.python_path` folders come right after the harness: a sitecustomize.py there
+    # runs at interpreter start in every process of the side (e.g. an interpreter shim)
+    extra = [str(p) for p in loaded.cpu_python_path] if cpu_mode else []
+    env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), *extra, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if cpu_mode:
         env["TRITON_INTERPRET"] = "1"
     return env

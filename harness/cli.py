@@ -13,7 +13,7 @@ from harness.spec import SpecError
 # Each module defines `add_parser(subparsers)` which registers its subcommand with `func=run`.
 COMMANDS = [
     "validate",
-    "report", "compare",
+    "report", "compare", "publish",
     "freeze",
     "verify",
     "attempts",

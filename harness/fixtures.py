@@ -7,8 +7,12 @@
    random cotangent), written to one safetensors file per case, and the baseline op is checked
    against it in every declared mode. This is done twice, in two processes; the reference
    fixtures and the op's outputs must agree between the runs bitwise or within the frozen
-   tolerances. A failing case, an error, or a disagreement is a terminal NO-GO written to
-   profile/<exp>/state.json with its failures; cases are never narrowed nor tolerances relaxed.
+   tolerances. A measured failure (an output or gradient outside the tolerances, a non-finite
+   reference, a disagreement between the two runs) is a terminal NO-GO written to
+   <profile root>/<exp>/state.json with its failures; cases are never narrowed nor tolerances
+   relaxed. Nothing measured is no verdict: an inputs factory, op or reference that does not
+   import, or raises, or a worker that dies, is a setup error (spec.SetupError, exit 2), never an
+   attempt and never terminal.
 
 2. BENCH_BASE. The first run's files and a manifest.json (seed, cases and shapes, dtype, modes,
    tolerances, SHA-256 of every fixture file, SHA-256 at BENCH_BASE of every frozen path) are
@@ -36,7 +40,7 @@ from typing import Callable
 
 from harness import attempts
 from harness.revisions import Revisions, open_repo
-from harness.spec import LoadedExperiment
+from harness.spec import LoadedExperiment, PytestGate, setup_error
 
 MANIFEST_FORMAT = "harness-oracle-manifest/1"
 FREEZE_FILE = "freeze.json"
@@ -200,13 +204,22 @@ def reference_file(repo_path: Path | str, commit: str, reference: str) -> str | 
 
 
 def frozen_path_list(loaded: LoadedExperiment, repo_path, commit: str) -> list[str]:
-    """Declared frozen paths, plus the reference's module file (the oracle is frozen by definition)."""
+    """Declared frozen paths, plus the reference's module file (the oracle is frozen by definition;
+    an adapter file beside the experiment is frozen by its hash in the manifest instead) and the
+    test files of pytest gates (the repository's own tests are part of the oracle)."""
     paths = list(dict.fromkeys(p.strip("/") for p in loaded.exp.frozen_paths))
-    if loaded.exp.fixtures is not None:
-        ref = reference_file(repo_path, commit, loaded.exp.fixtures.reference)
-        if ref is not None and ref not in paths:
-            paths.append(ref)
+    extra = [g.path for g in loaded.exp.gates if isinstance(g, PytestGate)]
+    fx = loaded.exp.fixtures
+    if fx is not None and not fx.reference_is_adapter:
+        extra.append(reference_file(repo_path, commit, fx.reference))
+    paths += [p for p in dict.fromkeys(extra) if p is not None and p not in paths]
     return paths
+
+
+def adapter_record(loaded: LoadedExperiment) -> dict | None:
+    """{file, sha256} of the reference adapter (None when the reference is the repository's)."""
+    file = loaded.reference_adapter
+    return None if file is None else {"file": str(file), "sha256": sha256_file(file) if file.is_file() else None}
 
 
 # --- the worker ------------------------------------------------------------------------------------
@@ -216,6 +229,12 @@ def worker_env(loaded: LoadedExperiment, side: str, profile_root, device: str) -
     from harness.bench import side_env
 
     return side_env(loaded, side, Path(profile_root), cpu_mode=device == "cpu")
+
+
+def reference_job(loaded: LoadedExperiment) -> dict:
+    """The job field that points an oracle worker at a reference adapter file (none for a module)."""
+    adapter = loaded.reference_adapter
+    return {} if adapter is None else {"reference_file": str(adapter)}
 
 
 def run_worker(job: dict, env: dict, work_dir: Path, timeout: float | None = None) -> dict:
@@ -283,6 +302,30 @@ def is_variant(case: dict) -> bool:
 def criteria_by_file(cases: list[dict]) -> dict[str, float]:
     """Fixture/op-output file stem -> rel_l2 for low-precision cases (the rest compare elementwise)."""
     return {c["name"]: float(c["rel_l2"]) for c in cases if is_variant(c)}
+
+
+def side_op(loaded: LoadedExperiment, side: str) -> tuple[str, str]:
+    """(the field naming the side's op, its 'module:function')."""
+    declared = getattr(loaded.exp, side).op
+    return (f"{side}.op", declared) if declared else ("target.op", loaded.exp.target.op)
+
+
+STAGE_FIELDS = {"inputs": "target.inputs", "reference": "fixtures.reference"}
+
+
+def raise_if_unmeasured(loaded: LoadedExperiment, side: str, result: dict, what: str) -> None:
+    """SetupError when an oracle worker measured nothing: it failed before any case (an import, the
+    inputs factory), died, or the reference or (on the baseline) the op raised on a case. Such a
+    failure says nothing about the code's correctness: it is never an attempt nor terminal."""
+    op_field = side_op(loaded, side)[0]
+    if result.get("error"):
+        field = STAGE_FIELDS.get(result.get("stage"), op_field)
+        raise setup_error(loaded, (field, f"{what} measured nothing: {result['error']} (log: {result.get('log')})"))
+    for case in result.get("cases", []):
+        if case.get("raised") == "reference" or (case.get("raised") == "op" and side == "baseline"):
+            field = "fixtures.reference" if case["raised"] == "reference" else op_field
+            raise setup_error(loaded, (field, f"{what}: the {case['raised']} raised on case {case['case']} "
+                                              f"{case.get('mode') or ''}: {case['error']} (log: {result.get('log')})"))
 
 
 def case_failures(result: dict, label: str) -> list[str]:
@@ -362,7 +405,8 @@ def build_manifest(loaded: LoadedExperiment, baseline_sha: str, cases: list[dict
                           "tensors": _tensor_index(fixture_dir / fname)})
     return {
         "format": MANIFEST_FORMAT, "experiment": exp.name, "baseline_sha": baseline_sha,
-        "reference": fx.reference, "modes": list(exp.modes), "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol,
+        "reference": fx.reference, "reference_adapter": adapter_record(loaded),
+        "modes": list(exp.modes), "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol,
         "seed": exp.seed, "cases": case_rows, "files": files, "frozen_paths": frozen,
         "low_precision": [lp.model_dump() for lp in fx.low_precision],
         "comparison": "per element |op - ref| <= atol + rtol*|ref| (float64), NaN/inf must match the reference; "
@@ -462,16 +506,19 @@ def contract_of(loaded: LoadedExperiment) -> dict:
     """What the experiment file says the oracle is; must equal the manifest's (never relaxed later)."""
     exp = loaded.exp
     fx = exp.fixtures
+    adapter = adapter_record(loaded)
     return {"reference": fx.reference, "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol, "seed": exp.seed,
             "modes": list(exp.modes), "cases": [[c["name"], c["shape"]] for c in cases_for(loaded)],
-            "low_precision": [lp.model_dump() for lp in fx.low_precision]}
+            "low_precision": [lp.model_dump() for lp in fx.low_precision],
+            "reference_adapter_sha256": adapter and adapter["sha256"]}
 
 
 def contract_in_manifest(manifest: dict) -> dict:
     return {"reference": manifest.get("reference"), "dtype": manifest.get("dtype"), "rtol": manifest.get("rtol"),
             "atol": manifest.get("atol"), "seed": manifest.get("seed"), "modes": manifest.get("modes"),
             "cases": [[c["name"], c["shape"]] for c in manifest.get("cases", []) if not is_variant(c)],
-            "low_precision": manifest.get("low_precision", [])}
+            "low_precision": manifest.get("low_precision", []),
+            "reference_adapter_sha256": (manifest.get("reference_adapter") or {}).get("sha256")}
 
 
 def contract_changes(loaded: LoadedExperiment, manifest: dict) -> list[str]:
@@ -565,12 +612,14 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
     results = []
     for i in (1, 2):
         work = art / f"run{i}"
-        job = {"action": "freeze", "worktree": base.worktree, "op": exp.target.op, "reference": fx.reference,
+        job = {"action": "freeze", "worktree": base.worktree, "op": side_op(loaded, "baseline")[1],
+               "reference": fx.reference, **reference_job(loaded),
                "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn, "cases": cases,
                "modes": list(exp.modes), "dtype": fx.dtype, "device": device, "rtol": fx.rtol, "atol": fx.atol,
                "fixture_dir": str(work / "fixtures"), "out_dir": str(work / "op")}
         log(f"freeze: baseline gate run {i}/2 on {base.sha[:12]} ({len(cases)} cases, {device})")
         results.append(run_worker(job, env, work, timeout=timeout))
+        raise_if_unmeasured(loaded, "baseline", results[-1], f"freeze: baseline gate run {i}/2")
 
     failures = case_failures(results[0], "run 1") + case_failures(results[1], "run 2")
     repro_rows: list[dict] = []

@@ -16,13 +16,12 @@ from typing import Literal, Sequence
 
 from harness import stats
 from harness.spec import (AgreementGate, AmdahlGate, CorrectnessGate, Experiment, FrozenPathsGate, GeomeanGate, NcuGate,
-                          NonRegressionGate, PeakAllocGate, Shape, SpeedupGate, TrainingGate)
+                          NonRegressionGate, PeakAllocGate, PytestGate, Shape, SpeedupGate, TrainingGate)
 
 Status = Literal["PASS", "FAIL", "INCONCLUSIVE"]
 Blocks = list[list[float]]
 RowKey = tuple[str, str]  # (shape, mode)
 CHUNK = 64  # tokens per chunk for NT and channels per tile for NK in byte expressions
-EXPR_NAMES = ("B", "T", "H", "K", "V", "tokens", "NK", "NT")
 PHASE_KINDS = ("correctness", "frozen_paths", "amdahl", "ncu", "agreement")
 
 
@@ -112,8 +111,8 @@ class ExprError(ValueError):
 
 
 def eval_bytes_expr(expr: str, dims: dict) -> float:
-    """Evaluate an arithmetic expression over B, T, H, K, V, tokens, NK, NT without `eval`:
-    only numbers, those names, + - * / and parentheses are accepted."""
+    """Evaluate an arithmetic expression over a row's dimension names (`shape_dims`) without
+    `eval`: only numbers, those names, + - * / and parentheses are accepted."""
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as e:
@@ -125,10 +124,9 @@ def eval_bytes_expr(expr: str, dims: dict) -> float:
         if isinstance(node, ast.Constant) and type(node.value) in (int, float):
             return node.value
         if isinstance(node, ast.Name):
-            if node.id not in EXPR_NAMES:
-                raise ExprError(f"{expr!r}: unknown name {node.id!r} (allowed: {', '.join(EXPR_NAMES)})")
-            if dims.get(node.id) is None:
-                raise ExprError(f"{expr!r}: {node.id} is not known for this shape")
+            if node.id not in dims or dims[node.id] is None:
+                raise ExprError(f"{expr!r}: {node.id} is not a dimension of this shape "
+                                f"(it has {', '.join(k for k, v in dims.items() if v is not None)})")
             return dims[node.id]
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             left, right = ev(node.left), ev(node.right)
@@ -143,16 +141,20 @@ def eval_bytes_expr(expr: str, dims: dict) -> float:
 
 
 def shape_dims(shape: Shape) -> dict:
-    """The names a byte expression may use. A varlen shape is packed into B=1, T=tokens, and NT
-    counts the 64-token chunks summed over its sequences; a dense one has NT = ceil(T/64)."""
+    """The names a byte expression may use: every declared dimension of the shape, and the derived
+    tokens (B*T, or the sum of seqlens), NT (64-token chunks: ceil(T/64), summed over the sequences
+    of a varlen shape) and NK (ceil(K/64)) where the shape has what they are made of. A varlen
+    shape is packed into B=1, T=tokens."""
+    dims = dict(shape.dims)
     if shape.seqlens is not None:
-        B, T = 1, shape.tokens
-        NT = sum(math.ceil(n / CHUNK) for n in shape.seqlens)
-    else:
-        B, T = shape.B, shape.T
-        NT = math.ceil(T / CHUNK)
-    return {"B": B, "T": T, "H": shape.H, "K": shape.K, "V": shape.V, "tokens": shape.tokens,
-            "NK": math.ceil(shape.K / CHUNK), "NT": NT}
+        dims.update(B=1, T=shape.tokens, NT=sum(math.ceil(n / CHUNK) for n in shape.seqlens))
+    elif "T" in dims:
+        dims["NT"] = math.ceil(dims["T"] / CHUNK)
+    if shape.tokens is not None:
+        dims["tokens"] = shape.tokens
+    if "K" in dims:
+        dims["NK"] = math.ceil(dims["K"] / CHUNK)
+    return dims
 
 
 # --- shared pieces -------------------------------------------------------------------------------
@@ -410,8 +412,14 @@ def _peak_alloc(gate: PeakAllocGate, ev: Evidence, exp: Experiment | None) -> Ga
     return GateResult(gate.name, gate.kind, status, reason, numbers, names)
 
 
+def phase_key(gate) -> str:
+    """The key of a gate's PhaseVerdict in Evidence.phases: its kind (one phase decides every gate
+    of that kind), or pytest:<name> (each pytest gate runs its own test file)."""
+    return f"pytest:{gate.name}" if isinstance(gate, PytestGate) else gate.kind
+
+
 def _phase(gate, ev: Evidence) -> GateResult:
-    pv = ev.phases.get(gate.kind)
+    pv = ev.phases.get(phase_key(gate))
     rows = [gate.row] if isinstance(gate, (AmdahlGate, NcuGate)) else list(getattr(gate, "rows", []) or [])
     if pv is None:
         return GateResult(gate.name, gate.kind, "INCONCLUSIVE", f"no {gate.kind} record: missing evidence", {}, rows)
@@ -524,7 +532,7 @@ def evaluate_gate(gate, evidence: Evidence, exp: Experiment | None = None) -> Ga
         return _non_regression(gate, evidence, exp)
     if isinstance(gate, PeakAllocGate):
         return _peak_alloc(gate, evidence, exp)
-    if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate, AgreementGate)):
+    if isinstance(gate, (CorrectnessGate, FrozenPathsGate, AmdahlGate, NcuGate, AgreementGate, PytestGate)):
         return _phase(gate, evidence)
     if isinstance(gate, TrainingGate):
         return _training(gate, evidence, exp)

@@ -8,7 +8,9 @@ with this checkout first on PYTHONPATH and cwd outside any worktree. Order matte
    module that did `from torch import empty` still gets the poisoned function;
 3. the harness checkout is dropped from sys.path and the side's worktree put first; the op (and,
    when freezing, the reference) are imported, and each module's file must lie in the worktree
-   (an op found anywhere else is an error, never a silent fallback).
+   (an op found anywhere else is an error, never a silent fallback). A reference adapter (a file
+   beside the experiment) is loaded by path after that, so what it imports of the repository
+   comes from the worktree too.
 
 NaN poisoning: `torch.empty`, `torch.empty_like`, `torch.empty_strided`, `Tensor.new_empty` and
 `Tensor.new_empty_strided` are wrapped for the whole life of the process so that every buffer they
@@ -21,13 +23,20 @@ the reference is finite is never within tolerance. Allocations made inside ATen 
 autograd's own buffers) do not pass through these Python functions and are fully written by ATen.
 
 Job JSON (written by the parent):
-  action        "freeze" (reference -> fixture files, then check) or "check" (op vs fixture files)
+  action        "freeze" (reference -> fixture files, then check), "check" (op vs fixture files) or
+                "setup" (`harness validate`: import the op, the reference, build one input; no call)
   worktree, op, reference, inputs_file, inputs_fn
+  reference_file  the adapter file when `reference` names a function in it (else absent)
+  package       {name, version} when the side is an installed package (setup only; no worktree)
   cases         [{name, shape, seed, cotangent_seed}]
   modes, dtype, device, rtol, atol
   fixture_dir   where <case>.safetensors are written (freeze) or read (check)
   out_dir       where the op's own outputs/gradients are saved (<case>.<mode>.safetensors)
   result        path of the result JSON this process writes
+
+The result says where a whole-process error happened (`stage`: inputs, op or reference) and marks
+a case whose reference or op raised (`raised`): the parent tells a setup error (nothing measured)
+from a measured disagreement by them.
 """
 from __future__ import annotations
 
@@ -118,13 +127,24 @@ def load_from_worktree(worktree: str, target: str):
     return getattr(module, fn), str(origin)
 
 
-def load_inputs_fn(file: str, fn: str):
+def load_file_fn(file: str, fn: str, module_name: str):
+    """`fn` of a Python file loaded by path under a private module name (the inputs factory, a
+    reference adapter: files of the experiment, never part of the op's package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_harness_oracle_inputs", file)
+    spec = importlib.util.spec_from_file_location(module_name, file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, fn)
+    if not hasattr(module, fn):
+        raise RuntimeError(f"{file} has no function {fn!r}")
+    return getattr(module, fn), str(Path(file).resolve())
+
+
+def load_reference(job: dict):
+    """The reference: a function of the adapter file, or `module:function` from the worktree."""
+    if job.get("reference_file"):
+        return load_file_fn(job["reference_file"], job["reference"].split(":")[1], "_harness_oracle_reference")
+    return load_from_worktree(job["worktree"], job["reference"])
 
 
 # --- call structure <-> flat tensors ---------------------------------------------------------------
@@ -424,7 +444,7 @@ def check_case(op, path: Path, job: dict, case: dict | None = None) -> list[dict
         try:
             outs, grads, notes = run_call(op, structure, tensors, job["device"], mode, cots, int(structure["seed"]))
         except Exception as e:  # noqa: BLE001 - the op's failure is a result, not a crash
-            rec.update(status="FAIL", error=f"{type(e).__name__}: {e}",
+            rec.update(status="FAIL", error=f"{type(e).__name__}: {e}", raised="op",
                        traceback=traceback.format_exc(limit=8)[-4000:])
             continue
         rec["notes"] = notes
@@ -454,38 +474,81 @@ def check_case(op, path: Path, job: dict, case: dict | None = None) -> list[dict
     return results
 
 
+def setup_check(job: dict, result: dict) -> None:
+    """`harness validate`'s look at one side: the op (and on the baseline the reference) import,
+    the inputs factory builds one small input on the CPU. Nothing is called: an op may take
+    minutes to compile, which a run finds out soon enough."""
+    if job.get("package"):  # an installed distribution at its declared version, as a block imports it
+        from harness.worker import _load_op
+
+        result["stage"] = "op"
+        _load_op("", job["op"], job["package"])
+        result["imported"]["op"] = sys.modules[job["op"].split(":")[0]].__file__
+        return
+    result["stage"] = "inputs"
+    inputs_fn, result["imported"]["inputs"] = load_file_fn(job["inputs_file"], job["inputs_fn"],
+                                                          "_harness_oracle_inputs")
+    result["stage"] = "op"
+    _isolate(job["worktree"])
+    _, result["imported"]["op"] = load_from_worktree(job["worktree"], job["op"])
+    if job.get("reference"):
+        result["stage"] = "reference"
+        _, result["imported"]["reference"] = load_reference(job)
+    result["stage"] = "inputs"
+    case = job["cases"][0]
+    mode = "fwdbwd" if "fwdbwd" in job["modes"] else "fwd"
+    inputs = inputs_fn(dict(case["shape"]), mode, DTYPES[job["dtype"]], "cpu", int(case["seed"]))
+    structure, tensors = encode_call(inputs)
+    result["inputs"] = {"case": case["name"], "tensors": {k: list(t.shape) for k, t in tensors.items()},
+                        "grad_inputs": structure["grad_inputs"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     job = json.loads(Path(argv[0]).read_text())
     result: dict = {"action": job["action"], "cases": [], "error": None, "imported": {}, "poisoned": True,
-                    "torch": torch.__version__, "device": job["device"], "pid": os.getpid()}
+                    "torch": torch.__version__, "device": job["device"], "pid": os.getpid(), "stage": None}
     try:
-        install_poison()
-        inputs_fn = load_inputs_fn(job["inputs_file"], job["inputs_fn"]) if job["action"] == "freeze" else None
-        _isolate(job["worktree"])
-        op, result["imported"]["op"] = load_from_worktree(job["worktree"], job["op"])
-        reference = None
-        if job["action"] == "freeze":
-            reference, result["imported"]["reference"] = load_from_worktree(job["worktree"], job["reference"])
-        Path(job["fixture_dir"]).mkdir(parents=True, exist_ok=True)
-        if job.get("out_dir"):
-            Path(job["out_dir"]).mkdir(parents=True, exist_ok=True)
-        for case in job["cases"]:
-            path = Path(job["fixture_dir"]) / f"{case['name']}.safetensors"
-            if job["action"] == "freeze":
-                try:
-                    path = freeze_case(reference, inputs_fn, case, job)
-                except Exception as e:  # noqa: BLE001
-                    result["cases"].append({"case": case["name"], "mode": None, "status": "FAIL", "tensors": [],
-                                            "error": f"reference failed: {type(e).__name__}: {e}",
-                                            "traceback": traceback.format_exc(limit=8)[-4000:]})
-                    continue
-            result["cases"].extend(check_case(op, path, job, case))
+        if job["action"] == "setup":
+            setup_check(job, result)
+        else:
+            freeze_or_check(job, result)
+        result["stage"] = None
     except Exception as e:  # noqa: BLE001
         result["error"] = f"{type(e).__name__}: {e}"
         result["traceback"] = traceback.format_exc(limit=8)[-4000:]
     Path(job["result"]).write_text(json.dumps(_json_safe(result), indent=1, sort_keys=True))
     return 0 if result["error"] is None else 1
+
+
+def freeze_or_check(job: dict, result: dict) -> None:
+    install_poison()
+    inputs_fn = None
+    if job["action"] == "freeze":
+        result["stage"] = "inputs"
+        inputs_fn, _ = load_file_fn(job["inputs_file"], job["inputs_fn"], "_harness_oracle_inputs")
+    result["stage"] = "op"
+    _isolate(job["worktree"])
+    op, result["imported"]["op"] = load_from_worktree(job["worktree"], job["op"])
+    reference = None
+    if job["action"] == "freeze":
+        result["stage"] = "reference"
+        reference, result["imported"]["reference"] = load_reference(job)
+    result["stage"] = None
+    Path(job["fixture_dir"]).mkdir(parents=True, exist_ok=True)
+    if job.get("out_dir"):
+        Path(job["out_dir"]).mkdir(parents=True, exist_ok=True)
+    for case in job["cases"]:
+        path = Path(job["fixture_dir"]) / f"{case['name']}.safetensors"
+        if job["action"] == "freeze":
+            try:
+                path = freeze_case(reference, inputs_fn, case, job)
+            except Exception as e:  # noqa: BLE001
+                result["cases"].append({"case": case["name"], "mode": None, "status": "FAIL", "tensors": [],
+                                        "error": f"reference failed: {type(e).__name__}: {e}", "raised": "reference",
+                                        "traceback": traceback.format_exc(limit=8)[-4000:]})
+                continue
+        result["cases"].extend(check_case(op, path, job, case))
 
 
 if __name__ == "__main__":

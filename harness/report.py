@@ -22,7 +22,7 @@ VERDICT_CLASS = {"GO": "go", "NO-GO": "nogo", "INCONCLUSIVE": "inconclusive"}
 # where each gate kind's evidence is shown in the page
 GATE_SECTION = {"speedup": "speedup", "geomean": "geomeans", "non_regression": "speedup", "peak_alloc": "peak",
                 "correctness": "correctness", "frozen_paths": "frozen", "amdahl": "profile", "ncu": "ncu",
-                "training": "training"}
+                "training": "training", "pytest": "pytest"}
 
 
 def slug(text: str) -> str:

@@ -1,9 +1,12 @@
 """`harness run`: the whole protocol for one experiment, resumable after any crash.
 
-Phases, each writing its own record under profile/<name>/<run-id>/ and skipped when that record
-exists (so `--resume` re-runs only what is missing):
-    resolve -> freeze + verify (when `fixtures:`) -> profile (when an amdahl gate) -> bench
-    -> ncu (GPU, when `ncu:`) -> analyse + report -> attempt log
+Phases, each writing its own record under <results>/profile/<name>/runs/<run-id>/ and skipped
+when that record exists (so `--resume` re-runs only what is missing):
+    resolve -> freeze + verify (when `fixtures:`) -> the repository's own tests (pytest gates)
+    -> profile (when an amdahl gate) -> bench -> ncu (GPU, when `ncu:`) -> analyse + report
+    -> attempt log
+The report goes to <results>/reports/<name>/<run-id>/; putting it into this repository's tracked
+reports/ is `harness publish`, never a side effect of a run.
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import os
 import shlex
 import socket
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -20,6 +23,7 @@ from typing import Callable
 from harness import revisions as rev
 from harness.bench import HARNESS_ROOT, BenchSettings, block_plan, run_blocks
 from harness.progress import Progress, as_progress
+from harness.results import results_root
 from harness.spec import LoadedExperiment
 
 VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
@@ -35,8 +39,10 @@ class RunOptions:
     run_id: str | None = None
     note: str = ""
     reopen: str | None = None
-    profile_root: Path = HARNESS_ROOT / "profile"
-    reports_root: Path = HARNESS_ROOT / "reports"
+    # the one place the roots live (every phase and engine takes its paths from here); the
+    # defaults hold for an experiment in this checkout's experiments/: see `results_root`
+    profile_root: Path = field(default_factory=lambda: results_root() / "profile")
+    reports_root: Path = field(default_factory=lambda: results_root() / "reports")
     force_cpu: bool = False
     aa: bool = False  # baseline against itself: the noise floor
     bench_only: bool = False  # `harness bench`: the interleaved blocks alone (no oracle, profile or ncu)
@@ -169,6 +175,8 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
     _write_json(manifest_path, manifest)
 
     terminal = None if opts.bench_only else _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
+    if terminal is None and not opts.bench_only:
+        _pytest_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
     measure = terminal is None
     if terminal is None and not opts.bench_only:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
@@ -213,6 +221,21 @@ def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
             return f"red baseline: {record.reason}"
         verify.verify_run(loaded, revisions, record, run_dir, cpu_mode=cpu_mode, log=log)
     return None
+
+
+def _pytest_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:
+    """The repository's own test files (pytest gates), frozen at BENCH_BASE, on both sides: a
+    failing test fails its gate, not the run."""
+    from harness.spec import PytestGate
+
+    if not any(isinstance(g, PytestGate) for g in loaded.exp.gates) or (run_dir / "pytest.json").exists():
+        return
+    from harness import fixtures, pytest_gate
+
+    log.phase("pytest")
+    record = fixtures.load_freeze(opts.profile_root, loaded.exp.name) if loaded.exp.fixtures is not None else None
+    pytest_gate.pytest_run(loaded, revisions, run_dir, opts.profile_root, cpu_mode, log=log,
+                           freeze_record=record if record is not None and not record.terminal else None)
 
 
 def _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | None:

@@ -33,15 +33,25 @@ class SpecError(Exception):
         super().__init__("\n".join(lines))
 
 
+class SetupError(SpecError):
+    """A well-formed experiment whose setup does not work: a repository, ref, op, reference, inputs
+    factory or test file that cannot be found, imported or called. Exit 2 like any bad input; never
+    an attempt, never a terminal NO-GO (only a measured red baseline is one). Build with
+    `setup_error`, which finds the field's line."""
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 _OP_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
+_FILE_FN_FORM = r"[\w./-]+\.py:[A-Za-z_]\w*"  # "relative/path.py:function", relative to the experiment file
 
 
 class Target(Strict):
-    repo: str = "."  # relative to the repository that holds the experiment file
+    # the repository under test: a path relative to the experiment file's folder, or absolute;
+    # left out, the git repository that holds the experiment file
+    repo: str | None = None
     op: str  # "module:function", imported from each side's worktree
     inputs: str  # "path/to/file.py:function", relative to the experiment file, run from this checkout
 
@@ -55,8 +65,15 @@ class Target(Strict):
     @field_validator("inputs")
     @classmethod
     def _inputs_form(cls, v: str) -> str:
-        if not re.fullmatch(r"[\w./-]+\.py:[A-Za-z_]\w*", v):
+        if not re.fullmatch(_FILE_FN_FORM, v):
             raise ValueError("expected 'relative/path.py:function'")
+        return v
+
+    @field_validator("repo")
+    @classmethod
+    def _repo_path(cls, v: str | None) -> str | None:
+        if v is not None and (not v.strip() or "\0" in v):
+            raise ValueError("expected a folder: relative to the experiment file, or absolute")
         return v
 
 
@@ -128,15 +145,18 @@ class BaselineRevision(Revision):
         return v
 
 
-class Shape(Strict):
-    """A dense shape (B, T) or a ragged one (seqlens, packed into B=1)."""
+# Names computed from a shape's dims (harness.gates.shape_dims) for byte expressions: never declared.
+DERIVED_DIMS = ("tokens", "NK", "NT")
+_DIM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
 
+
+class Shape(BaseModel):
+    """One row's dimensions: any positive integers by name (B, T, H, K, V for PKDA; M, N, ... for
+    another op), and optionally `seqlens` (a ragged batch, packed into B=1). The op's inputs factory
+    gets them all as a dict and says in its `shape_problem` which it needs."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
     name: str
-    H: int = Field(gt=0)
-    K: int = Field(gt=0)
-    V: int = Field(gt=0)
-    B: int | None = Field(default=None, gt=0)
-    T: int | None = Field(default=None, gt=0)
     seqlens: list[int] | None = None
 
     @field_validator("name")
@@ -154,21 +174,37 @@ class Shape(Strict):
         return v
 
     @model_validator(mode="after")
-    def _dense_or_varlen(self) -> "Shape":
-        dense = self.B is not None or self.T is not None
-        if self.seqlens is not None and dense:
+    def _dims(self) -> "Shape":
+        for key, value in (self.model_extra or {}).items():
+            if not _DIM_NAME.fullmatch(key):
+                raise ValueError(f"dimension name {key!r} must be an identifier (letters, digits, '_')")
+            if key in DERIVED_DIMS:
+                raise ValueError(f"{key!r} is computed from the other dims ({', '.join(DERIVED_DIMS)} are), "
+                                 "not declared")
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"dimension {key} must be a positive integer, got {value!r}")
+        if self.seqlens is not None and ("B" in self.dims or "T" in self.dims):
             raise ValueError("give either B and T (dense) or seqlens (varlen), not both")
-        if self.seqlens is None and (self.B is None or self.T is None):
-            raise ValueError("a dense shape needs both B and T (or give seqlens for varlen)")
+        if self.seqlens is None and not self.dims:
+            raise ValueError("a shape needs at least one integer dimension (e.g. B, T, H, K, V or M, N) or seqlens")
         return self
+
+    @property
+    def dims(self) -> dict[str, int]:
+        """The declared integer dimensions, by name, in the order written."""
+        return dict(self.model_extra or {})
 
     @property
     def varlen(self) -> bool:
         return self.seqlens is not None
 
     @property
-    def tokens(self) -> int:
-        return sum(self.seqlens) if self.seqlens is not None else self.B * self.T  # type: ignore[operator]
+    def tokens(self) -> int | None:
+        """Tokens of the row: the sum of seqlens, or B*T; None when the shape has neither."""
+        if self.seqlens is not None:
+            return sum(self.seqlens)
+        dims = self.dims
+        return dims["B"] * dims["T"] if "B" in dims and "T" in dims else None
 
 
 class StagePatterns(Strict):
@@ -190,14 +226,35 @@ class StagePatterns(Strict):
         return v
 
 
-def check_bytes_expr(v: str) -> str:
-    """A byte-count expression must parse with the gates' safe evaluator (no code is ever run)."""
+class _EveryName(dict):
+    """A dims mapping that has every name (as 1) and keeps the names asked for: checks an
+    expression's form before the rows it will be evaluated on are known."""
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def __missing__(self, key):
+        self[key] = 1
+        return 1
+
+
+def bytes_expr_names(v: str) -> set[str]:
+    """The dimension names a byte-count expression uses; ValueError when it is not plain arithmetic
+    for the gates' safe evaluator (no code is ever run)."""
     from harness.gates import ExprError, eval_bytes_expr  # lazy: gates imports this module
 
+    names = _EveryName()
     try:
-        eval_bytes_expr(v, {n: 1 for n in ("B", "T", "H", "K", "V", "tokens", "NK", "NT")})
+        eval_bytes_expr(v, names)
     except ExprError as e:
-        raise ValueError(f"expected an arithmetic expression over B, T, H, K, V, tokens, NK, NT: {e}") from e
+        raise ValueError(f"expected an arithmetic expression over the rows' dimension names: {e}") from e
+    return set(names)
+
+
+def check_bytes_expr(v: str) -> str:
+    """The field validator of a byte-count expression: its form (its names are checked against the
+    rows it names by cross_reference_problems)."""
+    bytes_expr_names(v)
     return v
 
 
@@ -253,7 +310,7 @@ class NonRegressionGate(_Gate):
 
 class PeakAllocGate(_Gate):
     """Candidate peak allocation lower than baseline's by at least `min_reduction_bytes` (an
-    arithmetic expression over the shape's B, T, H, K, V, tokens, e.g. '4*tokens*H*64')."""
+    arithmetic expression over the rows' dimension names, e.g. '4*tokens*H*64' or '4*M*N')."""
 
     kind: Literal["peak_alloc"]
     rows: list[str] = Field(min_length=1)
@@ -307,6 +364,37 @@ class AgreementGate(_Gate):
     atol: float = Field(ge=0)
 
 
+class PytestGate(_Gate):
+    """The target repository's own test file, run with pytest on each side's code. The file (and
+    the conftest.py files above it) are the ones frozen at BENCH_BASE (the baseline's when the
+    experiment freezes no fixtures), whatever the side's commit holds: PASS when every selected
+    test passes or is skipped by the frozen file on both sides."""
+
+    kind: Literal["pytest"]
+    path: str  # a test file, relative to the target repository's top
+    k: str | None = None  # pytest's -k expression (None: the whole file)
+    cpu_k: str | None = None  # the -k expression on a CPU run (None: `k`): the interpreter is slow
+    # false: a CPU run does not run the file (its gate is INCONCLUSIVE there), for a repository
+    # whose tests need a GPU (fla's conftest and device choice do)
+    run_on_cpu: bool = True
+    timeout_s: int = Field(default=3600, gt=0)  # per side
+
+    @model_validator(mode="after")
+    def _cpu_selection(self) -> "PytestGate":
+        if self.cpu_k is not None and not self.run_on_cpu:
+            raise ValueError("cpu_k selects the tests of a CPU run, and run_on_cpu: false runs none: drop one")
+        return self
+
+    @field_validator("path")
+    @classmethod
+    def _relative_file(cls, v: str) -> str:
+        parts = v.split("/")
+        if (not re.fullmatch(r"[\w./-]+\.py", v) or v.startswith("/") or ".." in parts or "." in parts
+                or "" in parts):
+            raise ValueError(f"{v!r}: expected a .py file relative to the target repository's top (no '..')")
+        return v
+
+
 class TrainingGate(_Gate):
     """Rows of `training`: each neutral within `neutral_margin` (time ratio upper bound <= 1 + m),
     at least one with speedup lower bound >= `min_best_speedup`, and every row's first-step losses
@@ -353,7 +441,7 @@ class TrainingRow(Strict):
     @field_validator("model")
     @classmethod
     def _model_form(cls, v: str) -> str:
-        if not re.fullmatch(r"[\w./-]+\.py:[A-Za-z_]\w*", v):
+        if not re.fullmatch(_FILE_FN_FORM, v):
             raise ValueError("expected 'relative/path.py:function'")
         return v
 
@@ -373,7 +461,7 @@ class TrainingRow(Strict):
 Gate = Annotated[
     Union[
         SpeedupGate, GeomeanGate, NonRegressionGate, PeakAllocGate, CorrectnessGate,
-        FrozenPathsGate, AmdahlGate, NcuGate, TrainingGate, AgreementGate,
+        FrozenPathsGate, AmdahlGate, NcuGate, TrainingGate, AgreementGate, PytestGate,
     ],
     Field(discriminator="kind"),
 ]
@@ -399,12 +487,27 @@ class LowPrecision(Strict):
 
 
 class Fixtures(Strict):
-    reference: str  # "module:function" (frozen path in the target repository) computing the oracle
+    # what computes the oracle: "module:function" of the target repository (its module file is a
+    # frozen path), or "adapter.py:function", a file beside the experiment wrapping the repository's
+    # reference (e.g. normalising inputs the way the op does); its hash is frozen in the manifest
+    reference: str
     cases: list[str] = Field(min_length=1)  # names of shapes in `fixture_shapes`
     dtype: Literal["float32", "float64"] = "float32"
     rtol: float = Field(gt=0)
     atol: float = Field(ge=0)
     low_precision: list[LowPrecision] = Field(default_factory=list)
+
+    @field_validator("reference")
+    @classmethod
+    def _reference_form(cls, v: str) -> str:
+        if not (re.fullmatch(_OP_FORM, v) or re.fullmatch(_FILE_FN_FORM, v)):
+            raise ValueError("expected 'package.module:function' (in the target repository) or "
+                             "'relative/adapter.py:function' (beside the experiment file)")
+        return v
+
+    @property
+    def reference_is_adapter(self) -> bool:
+        return self.reference.split(":")[0].endswith(".py")
 
     @model_validator(mode="after")
     def _lower(self) -> "Fixtures":
@@ -422,7 +525,7 @@ class Removable(Strict):
     """Traffic the candidate removes, for the profile's time floor: bytes written then read."""
 
     name: str
-    bytes: str  # expression over B, T, H, K, V, tokens, NK, NT
+    bytes: str  # expression over the profiled rows' dimension names (and tokens, NK, NT)
     passes: int = Field(default=2, gt=0)  # 2 = written once, read once
 
     @field_validator("bytes")
@@ -498,6 +601,10 @@ class CpuProfile(Strict):
     # the lockstep engine on a CPU (no GPU verdict either way): few pairs and rounds, one call a burst
     measure: MeasureSpec = Field(default_factory=lambda: MeasureSpec(
         pairs=2, max_pairs=2, calls_per_burst=1, min_rounds=2, max_rounds=2, secondary_rounds=1))
+    # folders (relative to the experiment file) put on PYTHONPATH of every process a CPU run starts
+    # for a side, after the harness checkout: a `sitecustomize.py` there runs at interpreter start
+    # (e.g. a shim that lets a repository's Triton autotuner run under the interpreter)
+    python_path: list[str] = Field(default_factory=list)
 
 
 class Experiment(Strict):
@@ -567,16 +674,31 @@ class LoadedExperiment(BaseModel):
     path: Path  # the YAML file
     root: Path  # the repository that holds the YAML (the harness's checkout for our experiments)
 
+    def beside(self, relative: str) -> Path:
+        """A path written in the experiment file: relative to the file's folder, or absolute."""
+        return (self.path.parent / relative).resolve()
+
     @property
     def target_repo(self) -> Path:
-        return (self.root / self.exp.target.repo).resolve()
+        repo = self.exp.target.repo
+        return self.root if repo is None else self.beside(repo)
 
     @property
     def inputs_file(self) -> Path:
-        return (self.path.parent / self.exp.target.inputs.split(":")[0]).resolve()
+        return self.beside(self.exp.target.inputs.split(":")[0])
+
+    @property
+    def reference_adapter(self) -> Path | None:
+        """The adapter file of `fixtures.reference` (None when it names a module of the repository)."""
+        fx = self.exp.fixtures
+        return self.beside(fx.reference.split(":")[0]) if fx is not None and fx.reference_is_adapter else None
+
+    @property
+    def cpu_python_path(self) -> list[Path]:
+        return [self.beside(p) for p in (self.exp.cpu.python_path if self.exp.cpu is not None else [])]
 
     def model_file(self, row: "TrainingRow") -> Path:
-        return (self.path.parent / row.model.split(":")[0]).resolve()
+        return self.beside(row.model.split(":")[0])
 
 
 def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
@@ -612,6 +734,9 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
             out.append((at, f"gate {gate.name!r} (correctness) needs a `fixtures` section"))
         if isinstance(gate, AmdahlGate) and exp.profile is None:
             out.append((at, f"gate {gate.name!r} (amdahl) needs a `profile` section"))
+        if isinstance(gate, PytestGate) and (exp.baseline.is_package or exp.candidate.is_package):
+            out.append((at, f"gate {gate.name!r} (pytest) runs the repository's test file in each side's "
+                            "worktree: both sides must be git revisions (`ref`)"))
     train_names = [t.name for t in exp.training]
     if len(set(train_names)) != len(train_names):
         out.append(("training", f"training row names must be unique, got {train_names}"))
@@ -649,6 +774,30 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
         missing = [s for s in exp.ncu.stages if s not in exp.stages]
         if missing:
             out.append(("ncu.stages", f"names {missing}, not in stages {sorted(exp.stages)}"))
+    out += _bytes_expr_problems(exp)
+    return out
+
+
+def _bytes_expr_problems(exp: "Experiment") -> list[tuple[str, str]]:
+    """Every name of a byte expression is a dimension (or a derived name) of each row it is
+    evaluated on: the gate's rows, the profile's rows, and their CPU stand-ins of the same name."""
+    from harness.gates import shape_dims  # lazy: gates imports this module
+
+    groups = [exp.shapes] + ([exp.cpu.shapes] if exp.cpu is not None else [])
+    checks = [(f"gates[{i}].min_reduction_bytes", g.min_reduction_bytes, g.rows)
+              for i, g in enumerate(exp.gates) if isinstance(g, PeakAllocGate)]
+    if exp.profile is not None:
+        checks += [(f"profile.removable[{i}].bytes", r.bytes, exp.profile.rows)
+                   for i, r in enumerate(exp.profile.removable)]
+    out = []
+    for loc, expr, rows in checks:
+        names = bytes_expr_names(expr)
+        for shape in (s for group in groups for s in group if s.name in rows):
+            missing = sorted(names - set(shape_dims(shape)))
+            if missing:
+                out.append((loc, f"{expr!r} uses {missing}, not a dimension of row {shape.name!r} "
+                                 f"(it has {', '.join(shape_dims(shape))})"))
+                break
     return out
 
 
@@ -729,6 +878,18 @@ def _repo_root(path: Path) -> Path:
     return path.parent
 
 
+def setup_error(loaded: "LoadedExperiment", *problems: tuple[str, str]) -> SetupError:
+    """A SetupError from (field, problem) pairs, each field a YAML path such as 'target.op' or
+    'gates[3].path', named with its line."""
+    try:
+        node = yaml.compose(loaded.path.read_text(), Loader=yaml.SafeLoader)
+        index = _line_index(node) if node is not None else {}
+    except (OSError, yaml.YAMLError):
+        index = {}
+    return SetupError(loaded.path, [(field, _line_for(_parse_path(field), index), message)
+                                    for field, message in problems])
+
+
 def load_experiment(path: str | Path) -> LoadedExperiment:
     """Parse and validate an experiment file; raise SpecError naming file, field and line."""
     path = Path(path)
@@ -762,6 +923,7 @@ def load_experiment(path: str | Path) -> LoadedExperiment:
     loaded = LoadedExperiment(exp=exp, path=path.resolve(), root=_repo_root(path.resolve()))
     _check_against_inputs(loaded, index)
     _check_model_files(loaded, index)
+    _check_files_beside(loaded, index)
     return loaded
 
 
@@ -797,7 +959,10 @@ def _check_against_inputs(loaded: LoadedExperiment, index: dict[tuple, int]) -> 
         groups.append(("cpu.shapes", loaded.exp.cpu.shapes))
     for field, shapes in groups:
         for i, shape in enumerate(shapes):
-            why = check(shape.model_dump(exclude_none=True))
+            try:
+                why = check(shape.model_dump(exclude_none=True))
+            except Exception as e:  # noqa: BLE001 - the factory's own bug, named where it bites
+                why = f"{loaded.inputs_file}: shape_problem raised {type(e).__name__}: {e}"
             if why:
                 loc = tuple(field.split(".")) + (i,)
                 problems.append((f"{field}[{i}] ({shape.name})", _line_for(loc, index), f"the op cannot take this shape: {why}"))
@@ -817,5 +982,20 @@ def _check_model_files(loaded: LoadedExperiment, index: dict[tuple, int]) -> Non
             if not file.is_file():
                 loc = tuple(field.split(".")) + (i, "model")
                 problems.append((f"{field}[{i}].model", _line_for(loc, index), f"model file {file} does not exist"))
+    if problems:
+        raise SpecError(loaded.path, problems)
+
+
+def _check_files_beside(loaded: LoadedExperiment, index: dict[tuple, int]) -> None:
+    """The reference adapter file and the CPU profile's python_path folders exist."""
+    problems = []
+    adapter = loaded.reference_adapter
+    if adapter is not None and not adapter.is_file():
+        problems.append(("fixtures.reference", _line_for(("fixtures", "reference"), index),
+                         f"reference adapter file {adapter} does not exist"))
+    for i, folder in enumerate(loaded.cpu_python_path):
+        if not folder.is_dir():
+            problems.append((f"cpu.python_path[{i}]", _line_for(("cpu", "python_path", i), index),
+                             f"folder {folder} does not exist"))
     if problems:
         raise SpecError(loaded.path, problems)

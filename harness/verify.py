@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import fixtures as fx
+from harness.results import results_root
 from harness.revisions import Revisions
 from harness.spec import SIDES, LoadedExperiment
 
@@ -154,7 +155,9 @@ def _tensor_rows(cases: list[dict]) -> list[dict]:
 
 def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, side: str, device: str | None = None,
                 log: Callable[[str], None] = print, profile_root=None, timeout: float | None = None) -> VerifyRecord:
-    """Check one side against the frozen oracle; never raises for the side's own failures."""
+    """Check one side against the frozen oracle. The side's own failures are its result; only a
+    worker that measured nothing (the op does not import, the worker died, the baseline op raised)
+    raises spec.SetupError."""
     if side not in SIDES:
         raise VerifyError(f"side must be one of {SIDES}, got {side!r}")
     frec = _freeze_dict(freeze_record)
@@ -166,7 +169,7 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     rs = getattr(revisions, side)
     device = device or fx._default_device()
     if profile_root is None:  # the freeze's artifacts live in <profile_root>/<exp>/freeze/<stamp>
-        profile_root = Path(frec.artifacts).parents[2] if frec.artifacts else fx.HARNESS_ROOT / "profile"
+        profile_root = Path(frec.artifacts).parents[2] if frec.artifacts else results_root(loaded.path) / "profile"
     profile_root = Path(profile_root)
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ") + "-" + os.urandom(2).hex()
     art = profile_root / exp.name / "verify" / f"{stamp}-{side}"
@@ -207,7 +210,7 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
                                  f"manifest {r['expected'][:12]}" for r in bad_bench]
         frozen_problems += correctness_problems
     else:
-        job = {"action": "check", "worktree": rs.worktree, "op": exp.target.op, "reference": None,
+        job = {"action": "check", "worktree": rs.worktree, "op": fx.side_op(loaded, side)[1], "reference": None,
                "inputs_file": None, "inputs_fn": None,
                "cases": [{k: c[k] for k in ("name", "shape", "seed", "cotangent_seed", "input_dtype", "rel_l2") if k in c}
                          for c in manifest["cases"]],
@@ -217,6 +220,7 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
         log(f"verify: {side} {rs.sha[:12]} against BENCH_BASE {frec.bench_base_sha[:12]} "
             f"({len(manifest['cases'])} cases x {len(manifest['modes'])} modes, {device})")
         result = fx.run_worker(job, fx.worker_env(loaded, side, profile_root, device), art, timeout=timeout)
+        fx.raise_if_unmeasured(loaded, side, result, f"verify: {side}")
         rec.cases, rec.imported, rec.error = result.get("cases", []), result.get("imported", {}), result.get("error")
         correctness_problems += fx.case_failures(result, side)
         expected_checks = len(manifest["cases"]) * len(manifest["modes"])

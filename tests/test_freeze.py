@@ -200,3 +200,34 @@ def test_bf16_fixtures_are_cuda_only(tmp_path):
     assert [c["name"] for c in fixtures.cases_for(loaded, "cuda")][2:] == ["dense.bfloat16", "ragged.bfloat16"]
     assert fixtures.skipped_low_precision(loaded, "cpu") == ["bfloat16"]
     assert fixtures.branch_name("x", "cpu") == "bench-base/x-cpu" and fixtures.branch_name("x", "cuda:0") == "bench-base/x"
+
+
+OP_RAISES = """\
+def op(x, w, cu_seqlens=None):
+    raise RuntimeError("0 active drivers ([]). There should only be one.")
+"""
+
+
+def test_a_baseline_that_raises_is_a_setup_error_not_a_red_baseline(tmp_path):
+    """Nothing measured is no verdict: the op raising (an autotuner wanting a GPU driver under the
+    interpreter) names target.op and writes no terminal state; a measured mismatch is terminal."""
+    from harness.spec import SetupError
+
+    r = OracleRepo(tmp_path, op_src=OP_RAISES)
+    loaded = r.experiment()
+    with pytest.raises(SetupError) as e:
+        fixtures.freeze(loaded, r.resolve(loaded), r.profile, device="cpu", recheck=True, log=quiet)
+    assert f"{loaded.path}:4: target.op: freeze: baseline gate run 1/2: the op raised on case dense fwd: " \
+           "RuntimeError: 0 active drivers" in str(e.value)
+    assert attempts.read_state_file(r.profile, "toy") == {} and fixtures.load_freeze(r.profile, "toy") is None
+
+
+def test_freeze_and_verify_commands_write_under_the_results_root(tmp_path, monkeypatch, capsys):
+    r = OracleRepo(tmp_path)
+    path = str(r.experiment().path)
+    monkeypatch.setenv("HARNESS_RESULTS", str(tmp_path / "res"))
+    assert main(["freeze", path, "--device", "cpu"]) == 0, capsys.readouterr()
+    assert fixtures.load_freeze(tmp_path / "res" / "profile", "toy").status == "PASS"
+    assert main(["verify", path, "--device", "cpu", "--side", "candidate"]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "gate correctness: PASS" in out and f"record: {tmp_path / 'res' / 'profile' / 'toy' / 'freeze.json'}" in out

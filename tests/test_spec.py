@@ -56,7 +56,7 @@ def test_good_file_loads_with_defaults(tmp_path):
     ("modes: [fwd, fwdbwd]", "modes: [fwd, fwdbwd]\nblocks: 2", "blocks", 10),  # blocks < 3
     ("modes: [fwd, fwdbwd]", "modes: [fwd, fwdbwd]\nblocks: many", "blocks", 10),  # wrong type
     ("threshold: 1.10", "threshold: 0", "gates[0].speedup.threshold", 14),  # threshold <= 0
-    ("B: 2, T: 128", "B: 2", "shapes[0]", 11),  # dense shape without T
+    ("B: 2, T: 128", "B: 2, T: 0", "shapes[0]", 11),  # a dimension that is not a positive integer
     ("ref: feature/x", "ref: 'x; rm -rf /'", "candidate.ref", 8),  # shell metacharacters
     ("ref: 0123456789abcdef0123456789abcdef01234567", "ref: main", "baseline.ref", 6),  # not a SHA
     ("row: dense", "row: nosuch", "gates[0].row", 14),  # gate names an unknown row
@@ -87,7 +87,7 @@ def test_duplicate_key_and_bad_yaml(tmp_path):
 
 def test_cli_validate_exit_codes(tmp_path, capsys):
     good = write(tmp_path, GOOD)
-    assert main(["validate", str(good)]) == 0
+    assert main(["validate", "--schema-only", str(good)]) == 0
     good.write_text(GOOD.replace("modes: [fwd, fwdbwd]", "modes: [fwd, backward]"))
     assert main(["validate", str(good)]) == 2
     err = capsys.readouterr().err
@@ -114,3 +114,77 @@ def test_device_basis_is_for_whole_call_gates(tmp_path):
     assert ok.exp.gates[1].basis == "device" and ok.exp.gates[0].basis == "auto"  # auto: the row's primary basis
     older = load_experiment(write(tmp_path, GOOD.replace("threshold: 1.10}", "threshold: 1.10, basis: wall}")))
     assert older.exp.gates[0].basis == "eager"  # older files' `wall` is the eager basis
+
+
+FREE_DIMS = """\
+name: pairwise
+target:
+  repo: ../elsewhere
+  op: pkg.mod:op
+  inputs: inputs.py:make_inputs
+baseline:
+  ref: 0123456789abcdef0123456789abcdef01234567
+candidate:
+  ref: feature/x
+modes: [fwdbwd]
+shapes:
+  - {name: wide, M: 4096, N: 512, D: 64}
+gates:
+  - {kind: peak_alloc, name: peak, rows: [wide], min_reduction_bytes: "4*M*N"}
+  - {kind: pytest, name: own, path: tests/test_op.py, k: fast}
+fixture_shapes:
+  - {name: tiny, M: 3, N: 2, D: 1}
+fixtures:
+  reference: adapter.py:ref
+  cases: [tiny]
+  rtol: 0.001
+  atol: 0.0
+"""
+
+
+FREE_INPUTS = "def make_inputs(shape, mode, dtype, device, seed):\n    return {}\n\n" \
+              "def shape_problem(shape):\n    return None if {'M', 'N', 'D'} <= set(shape) else 'needs M, N, D'\n"
+
+
+def write_free(tmp_path, text: str):
+    path = write(tmp_path, text)
+    (tmp_path / "inputs.py").write_text(FREE_INPUTS)
+    (tmp_path / "adapter.py").write_text("def ref(x):\n    return x\n")
+    return path
+
+
+def test_free_form_dims_adapter_and_target_beside_the_file(tmp_path):
+    from harness.gates import eval_bytes_expr, shape_dims
+
+    loaded = load_experiment(write_free(tmp_path, FREE_DIMS))
+    wide = loaded.exp.shapes[0]
+    assert wide.dims == {"M": 4096, "N": 512, "D": 64} and wide.tokens is None
+    assert shape_dims(wide) == {"M": 4096, "N": 512, "D": 64}  # no B, T or K: nothing derived
+    assert eval_bytes_expr("4*M*N", shape_dims(wide)) == 4 * 4096 * 512
+    assert loaded.target_repo == (tmp_path.parent / "elsewhere").resolve()
+    assert loaded.reference_adapter == tmp_path / "adapter.py" and loaded.exp.fixtures.reference_is_adapter
+    assert loaded.exp.gates[1].path == "tests/test_op.py" and loaded.exp.gates[1].run_on_cpu
+    # PKDA's names keep their meaning: tokens, NT, NK derived from B, T, K or seqlens
+    ragged = load_experiment(write(tmp_path, GOOD)).exp.shapes[1]
+    assert shape_dims(ragged) == {"H": 2, "K": 128, "V": 64, "B": 1, "T": 310, "NT": 1 + 0 + 5, "tokens": 310, "NK": 2}
+
+
+@pytest.mark.parametrize("old,new,field,problem", [
+    ('"4*M*N"', '"4*B*T*M"', "gates[0].min_reduction_bytes", "uses ['B', 'T'], not a dimension of row 'wide'"),
+    ("D: 64}", "D: 64, tokens: 3}", "shapes[0]", "'tokens' is computed from the other dims"),
+    ("D: 64}", "D: 1.5}", "shapes[0]", "dimension D must be a positive integer, got 1.5"),
+    ("path: tests/test_op.py", "path: ../outside.py", "gates[1].pytest.path", "relative to the target repository"),
+    ("k: fast}", "k: fast, cpu_k: x, run_on_cpu: false}", "gates[1].pytest", "cpu_k selects the tests of a CPU run"),
+    ("reference: adapter.py:ref", "reference: missing.py:ref", "fixtures.reference", "missing.py does not exist"),
+])
+def test_free_form_problems_name_their_field(tmp_path, old, new, field, problem):
+    text = FREE_DIMS.replace(old, new)
+    assert text != FREE_DIMS
+    with pytest.raises(SpecError) as e:
+        load_experiment(write_free(tmp_path, text))
+    assert field in str(e.value) and problem in str(e.value), str(e.value)
+
+
+def test_a_shape_problem_that_raises_is_named(tmp_path):
+    msg = errors(tmp_path, GOOD.replace("{name: dense, B: 2, T: 128, H: 2, K: 64, V: 64}", "{name: dense, M: 2}"))
+    assert "shapes[0] (dense)" in msg and "shape_problem raised KeyError: 'K'" in msg, msg

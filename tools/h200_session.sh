@@ -6,9 +6,12 @@
 # Here, before the call:
 #   make h200-wheels                                   # .whl/ (ignored)
 #   mkdir -p .bundle && git bundle create .bundle/repo.bundle --branches   # the device copy has no .git; candidate branches ride along
+#   # an experiment on another repository: its bundle beside, .bundle/<name>.bundle, is cloned into
+#   # targets/<name> of the device's checkout (every branch); for fla: bash tools/fla_target.sh
 #   # after an unfinished call: rm -rf .carry && mkdir .carry && cp /work/.device/<n>/state.tgz.* .carry/
 # The call (device tool): command "bash tools/h200_session.sh pkda-dAqk 480 [harness run args...]",
-#   carry [".whl", ".bundle", ".carry"], timeout_s 600.
+#   carry [".whl", ".bundle", ".carry"], timeout_s 600. EXP is a name under experiments/ or the
+#   path of an experiment file in this repository (its file name is the experiment's name).
 # A call that finds the last call's machine still warm (the next call made within its idle time)
 #   reuses that machine's /tmp/repo whole when it holds the same commit, and ignores .carry.
 # Env knobs: RUN_ID (default h200); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
@@ -18,15 +21,19 @@
 #   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
 #   and logs, the run's ncu reports if small) instead of resumable state.
 # What comes back in $OUT: run.log, report.json + index.html when the run finished, and
-# state.tgz.aa, .ab, ... (records, verify/profile/ncu JSON, Triton caches or their autotune
-# results; no worktrees, no ncu reports) to put in .carry/ for `--resume` in the next call.
+# state.tgz.aa, .ab, ... (the results root: records, verify/profile/ncu JSON, Triton caches or
+# their autotune results, the bench-base/* branches freeze made in each repository; no worktrees,
+# no ncu reports) to put in .carry/ for `--resume` in the next call.
 set -u
-EXP=${1:?experiment name}
+EXP=${1:?experiment name or file}
 BUDGET=${2:-480}        # seconds for `harness warm` + `harness run`; the rest of the call packs results
 shift 2 || true
 RUN_ARGS=("$@")
 RUN_ID=${RUN_ID:-h200}
 HERE=$PWD
+exp_file() { case "$1" in *.yaml) echo "$1" ;; *) echo "experiments/$1.yaml" ;; esac; }
+EXP_FILE=$(exp_file "$EXP")
+NAME=$(basename "$EXP_FILE" .yaml)
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HARNESS_QUIET=1
 WANT=$(git ls-remote "$HERE/.bundle/repo.bundle" refs/heads/main | cut -f1)
@@ -34,14 +41,28 @@ RESUME=()
 if [ -d /tmp/repo/.git ] && [ "$(git -C /tmp/repo rev-parse HEAD)" = "$WANT" ]; then
   # the machine is still the one of the last call (it stayed warm): its records, worktrees, Triton
   # cache and ncu reports are all here, newer than anything in .carry
-  cd /tmp/repo && echo "reusing this machine's /tmp/repo ($(du -sh profile 2>/dev/null | cut -f1) of records)"
+  cd /tmp/repo && echo "reusing this machine's /tmp/repo ($(du -sh results 2>/dev/null | cut -f1) of records)"
+  RESTORED=0
 else
   rm -rf /tmp/repo && git clone -q "$HERE/.bundle/repo.bundle" /tmp/repo && cd /tmp/repo && git checkout -q main || exit 2
-  if ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
-    cat "$HERE"/.carry/state.tgz.* | tar xzf - && echo "restored $(du -sh profile | cut -f1) of records"
-  fi
+  RESTORED=1
 fi
-[ -d "profile/$EXP/runs/$RUN_ID" ] && RESUME=(--resume)
+export HARNESS_RESULTS=$PWD/results   # the results root of every harness command below
+# every other bundle is a target repository: targets/<name>, all its branches (fetched again on a
+# reused machine: a moved candidate branch must be seen; bench-base/* made here are kept)
+for b in "$HERE"/.bundle/*.bundle; do
+  t=$(basename "$b" .bundle); [ "$t" = repo ] && continue
+  [ -d "targets/$t/.git" ] || git init -q "targets/$t"
+  git -C "targets/$t" fetch -q "$b" '+refs/heads/*:refs/heads/*' && echo "targets/$t: $(git -C "targets/$t" branch | wc -l) branches"
+done
+if [ "$RESTORED" = 1 ] && ls "$HERE"/.carry/state.tgz.* >/dev/null 2>&1; then
+  cat "$HERE"/.carry/state.tgz.* | tar xzf - && echo "restored $(du -sh results | cut -f1) of records"
+  for b in results/bench-base/*.bundle; do   # the oracle branches freeze made on an earlier machine
+    [ -f "$b" ] || continue; t=$(basename "$b" .bundle); r=$([ "$t" = repo ] && echo . || echo "targets/$t")
+    git -C "$r" fetch -q "$PWD/$b" '+refs/heads/bench-base/*:refs/heads/bench-base/*' && echo "bench-base branches of $r restored"
+  done
+fi
+[ -d "results/profile/$NAME/runs/$RUN_ID" ] && RESUME=(--resume)
 git log --oneline -1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,clocks_event_reasons.active --format=csv,noheader
 START=$(date +%s)
@@ -52,17 +73,18 @@ if [ "${CAPTURE:-0}" = 1 ]; then
   CAPTURE_PID=$!
 fi
 # compile every kernel in parallel first (minutes on a fresh machine, seconds with a carried cache)
-mkdir -p "profile/$EXP"
-WARM_LOG=profile/$EXP/warm-$(date -u +%Y%m%dT%H%M%SZ).log   # travels with the state (8 files come back at most)
+mkdir -p "results/profile/$NAME"
+WARM_LOG=results/profile/$NAME/warm-$(date -u +%Y%m%dT%H%M%SZ).log   # travels with the state (8 files come back at most)
 ALSO_PIDS=()
 for other in ${ALSO_WARM:-}; do
   # the next call's experiment compiles beside this one's warm (CPU-bound); waited for below,
   # so no compile runs during a timed block
-  mkdir -p "profile/$other"
-  timeout "$BUDGET" python3 -m harness warm "experiments/$other.yaml" > "profile/$other/warm-$(date -u +%Y%m%dT%H%M%SZ).log" 2>&1 &
+  other_file=$(exp_file "$other"); other_name=$(basename "$other_file" .yaml)
+  mkdir -p "results/profile/$other_name"
+  timeout "$BUDGET" python3 -m harness warm "$other_file" > "results/profile/$other_name/warm-$(date -u +%Y%m%dT%H%M%SZ).log" 2>&1 &
   ALSO_PIDS+=($!)
 done
-timeout "$BUDGET" python3 -m harness warm "experiments/$EXP.yaml" ${WARM_ARGS:-} > "$WARM_LOG" 2>&1
+timeout "$BUDGET" python3 -m harness warm "$EXP_FILE" ${WARM_ARGS:-} > "$WARM_LOG" 2>&1
 echo "harness warm rc=$? in $(( $(date +%s) - START )) s"; tail -3 "$WARM_LOG"
 for pid in "${ALSO_PIDS[@]}"; do wait "$pid"; echo "warm of ALSO_WARM (pid $pid) rc=$? at $(( $(date +%s) - START )) s"; done
 [ "${FINAL:-0}" = 1 ] && cp "$WARM_LOG" "$OUT/warm.log"
@@ -70,26 +92,36 @@ if [ -n "$CAPTURE_PID" ]; then
   wait "$CAPTURE_PID"; echo "ncu fixture capture rc=$? at $(( $(date +%s) - START )) s"; grep -E "rc=|MISSING" /tmp/capture.log | tail -4
 fi
 BUDGET=$(( BUDGET - ($(date +%s) - START) ))
-timeout "$BUDGET" python3 -m harness run "experiments/$EXP.yaml" --run-id "$RUN_ID" "${RESUME[@]}" "${RUN_ARGS[@]}" \
+timeout "$BUDGET" python3 -m harness run "$EXP_FILE" --run-id "$RUN_ID" "${RESUME[@]}" "${RUN_ARGS[@]}" \
   > "$OUT/run.log" 2>&1
 rc=$?
 echo "harness run rc=$rc"; tail -15 "$OUT/run.log"
-REPORT=reports/$EXP/$RUN_ID
+REPORT=results/reports/$NAME/$RUN_ID
 if [ -f "$REPORT/report.json" ] && [ "$rc" != 124 ]; then
   cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
 else
-  timeout 60 python3 -m harness report "experiments/$EXP.yaml" --run "$RUN_ID" >/dev/null 2>&1 && \
+  timeout 60 python3 -m harness report "$EXP_FILE" --run "$RUN_ID" >/dev/null 2>&1 && \
     cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
 fi
+# the bench-base/* branches freeze made in each repository travel with the results root: only
+# their own commits (the fixtures), on top of what the carried bundles hold already
+mkdir -p results/bench-base
+for r in . targets/*; do
+  [ -d "$r/.git" ] || continue
+  keep=$(git -C "$r" for-each-ref --format='%(refname)' refs/heads/bench-base/)
+  have=$(git -C "$r" for-each-ref --format='^%(refname)' refs/heads/ refs/remotes/ | grep -v '^^refs/heads/bench-base/')
+  [ -n "$keep" ] && git -C "$r" bundle create -q "$PWD/results/bench-base/$([ "$r" = . ] && echo repo || basename "$r").bundle" \
+    $keep $have
+done
 if [ "${FINAL:-0}" = 1 ]; then
-  # the records to keep (never into git: they go to profile/ here): run dir, freeze/verify/profile JSON,
-  # attempts, the run's ncu reports when they fit in one 15 MB archive
-  tar czf /tmp/records.tgz --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' profile
+  # the records to keep (never into git: they go to the results root here): run dir, freeze/verify/profile
+  # JSON, attempts, the run's ncu reports when they fit in one 15 MB archive
+  tar czf /tmp/records.tgz --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' results
   ls -la /tmp/records.tgz
   if [ "$(stat -c %s /tmp/records.tgz)" -le 15000000 ]; then cp /tmp/records.tgz "$OUT/"; else
     tar czf "$OUT/records.tgz" --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' \
-      --exclude='*.ncu-rep' profile; fi
-  find profile -name '*.ncu-rep' -exec ls -la {} \;
+      --exclude='*.ncu-rep' results; fi
+  find results -name '*.ncu-rep' -exec ls -la {} \;
   ls -la "$OUT" "$OUT"/ncu-fixtures 2>/dev/null
   exit 0
 fi
@@ -99,10 +131,10 @@ fi
 # Only when the uncompressed records could fit is the whole tree compressed at all: on 2026-12-03
 # a 1.2 GB profile/ (two experiments' Triton caches) took the call past its limit in that tar.
 MAXP=$(( 8 - $(find "$OUT" -type f | wc -l) ))   # the 8-file limit counts the report, logs and fixtures too
-RAW=$(du -sb --exclude=worktrees --exclude='*.ncu-rep' profile | cut -f1)
+RAW=$(du -sb --exclude=worktrees --exclude='*.ncu-rep' results | cut -f1)
 n=999
 if [ "$RAW" -le $(( MAXP * 45000000 )) ]; then   # Triton caches compress ~6.5x (126 MB -> 19 MB)
-  if timeout 120 tar czf /tmp/state-full.tgz --exclude=worktrees --exclude='*.ncu-rep' profile; then
+  if timeout 120 tar czf /tmp/state-full.tgz --exclude=worktrees --exclude='*.ncu-rep' results; then
     split -b 15m /tmp/state-full.tgz /tmp/state-full. && rm -f /tmp/state-full.tgz
     n=$(ls /tmp/state-full.* | wc -l)
   fi
@@ -112,8 +144,8 @@ if [ "$n" -le "$MAXP" ]; then
   for f in /tmp/state-full.*; do mv "$f" "$OUT/state.tgz.${f##*.}"; done
 else
   echo "state is $n pieces with the Triton caches: sending their autotune results only"
-  find profile -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
-  tar czf - --exclude=worktrees --exclude='*.ncu-rep' --exclude-from=/tmp/drop.txt profile | split -b 15m - "$OUT/state.tgz."
+  find results -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
+  tar czf - --exclude=worktrees --exclude='*.ncu-rep' --exclude-from=/tmp/drop.txt results | split -b 15m - "$OUT/state.tgz."
 fi
-du -sh profile/triton-cache 2>/dev/null
+du -sh results/profile/triton-cache 2>/dev/null
 ls -la "$OUT"

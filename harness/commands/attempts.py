@@ -1,15 +1,14 @@
 """`harness attempts EXP`: the attempt log as a table, and the experiment's state (OPEN/STOPPED/TERMINAL_NO_GO)."""
 from __future__ import annotations
 
-from pathlib import Path
-
+from harness.results import add_results_arguments, roots_from_args
 from harness.spec import load_experiment
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("attempts", help="print the attempt log and the stop state of an experiment")
     p.add_argument("experiment", help="path to experiments/<name>.yaml")
-    p.add_argument("--profile-root", type=Path, default=None, help="default: <harness checkout>/profile")
+    add_results_arguments(p, reports=False)
     p.add_argument("--reopen", metavar="REASON", default=None,
                    help="log an explicit reopen (a new window of max_attempts) with this reason")
     p.add_argument("--json", action="store_true", help="print the log and state as JSON")
@@ -24,7 +23,7 @@ def run(args) -> int:
 
     loaded = load_experiment(args.experiment)
     exp = loaded.exp
-    profile_root = args.profile_root or Path(__file__).resolve().parents[2] / "profile"
+    profile_root, _ = roots_from_args(args, loaded.path)
     if args.reopen is not None:
         try:
             entry = attempts.reopen(profile_root, exp.name, args.reopen, max_attempts=exp.max_attempts)

@@ -14,7 +14,7 @@ from harness.executors import slurm as S
 def add_parser(sub) -> None:
     p = sub.add_parser("cancel", help="cancel the Slurm job of a run")
     p.add_argument("run", metavar="RUN", help="run directory, or run id (searched under --profile-root)")
-    p.add_argument("--profile-root", type=Path, help="where run directories are (default: ./profile of the harness)")
+    p.add_argument("--profile-root", type=Path, help="where run directories are (default: $HARNESS_RESULTS/profile, else experiments/results/profile)")
     p.add_argument("--wait", type=float, default=15, metavar="SECONDS", help="wait this long for the final state")
     p.set_defaults(func=run)
 

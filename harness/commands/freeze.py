@@ -3,14 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.results import add_results_arguments, roots_from_args
 from harness.spec import load_experiment
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("freeze", help="run the baseline correctness gate twice, then commit the oracle fixtures "
                                       "as bench-base/<exp> (exit 1: terminal NO-GO)")
-    p.add_argument("experiment", help="path to experiments/<name>.yaml")
-    p.add_argument("--profile-root", type=Path, default=None, help="default: <harness checkout>/profile")
+    p.add_argument("experiment", help="path to an experiment file")
+    add_results_arguments(p, reports=False)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--run-dir", type=Path, default=None, help="also write freeze.json here")
     p.add_argument("--reuse", action="store_true",
@@ -24,7 +25,7 @@ def run(args) -> int:
     from harness.revisions import RevisionError, resolve
 
     loaded = load_experiment(args.experiment)
-    profile_root = args.profile_root or fixtures.HARNESS_ROOT / "profile"
+    profile_root, _ = roots_from_args(args, loaded.path)
     try:
         revisions = resolve(loaded, profile_root)
         record = fixtures.freeze(loaded, revisions, profile_root, device=args.device, recheck=not args.reuse,

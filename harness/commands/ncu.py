@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from harness.cli import UsageError
+from harness.results import add_results_arguments
 
 
 def add_parser(sub) -> None:
@@ -21,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stage", action="append", default=[], metavar="NAME=REGEX",
                    help="with --parse: sum kernels matching REGEX into stage NAME (repeatable)")
     p.add_argument("--json", action="store_true", help="with --parse: print the parsed record as JSON")
-    p.add_argument("--profile-root", type=Path, help="where raw records go (default: ./profile of this checkout)")
+    add_results_arguments(p, reports=False)
     p.set_defaults(func=run)
 
 
@@ -71,13 +72,13 @@ def _guess_pass(launches) -> str:
 def _profile(args) -> int:
     from harness import ncu
     from harness import revisions as rev
-    from harness.bench import HARNESS_ROOT
+    from harness.results import roots_from_args
     from harness.spec import load_experiment
 
     loaded = load_experiment(args.experiment)
     if loaded.exp.ncu is None:
         raise UsageError(f"{loaded.path}: the experiment has no `ncu:` section (rows, stages)")
-    profile_root = (args.profile_root or HARNESS_ROOT / "profile").resolve()
+    profile_root, _ = roots_from_args(args, loaded.path)
     try:
         revisions = rev.resolve(loaded, profile_root)
     except rev.RevisionError as e:

@@ -11,13 +11,14 @@ from pathlib import Path
 
 from harness.cli import UsageError
 from harness.revisions import RevisionError, resolve
+from harness.results import add_results_arguments, roots_from_args
 from harness.spec import load_experiment
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="profile the baseline's stages and decide the Amdahl pre-gate")
     p.add_argument("experiment", help="path to experiments/<name>.yaml")
-    p.add_argument("--profile-root", type=Path, help="where raw records go (default: ./profile of this checkout)")
+    add_results_arguments(p, reports=False)
     p.add_argument("--cpu", action="store_true", help="profile on CPU (Triton interpreter, fp32) even when a GPU is present")
     p.add_argument("--top", type=int, default=12, help="kernels shown per row (all are in profile.json)")
     p.set_defaults(func=run)
@@ -79,13 +80,12 @@ def print_record(record: dict, top: int = 12, console=None) -> None:
 
 def run(args) -> int:
     from harness import profile
-    from harness.bench import HARNESS_ROOT
     from harness.device import cuda_available
 
     loaded = load_experiment(args.experiment)
     if loaded.exp.profile is None:
         raise UsageError(f"{loaded.path}: the experiment has no `profile:` section")
-    root = (args.profile_root or HARNESS_ROOT / "profile").resolve()
+    root, _ = roots_from_args(args, loaded.path)
     cpu_mode = args.cpu or not cuda_available()
     try:
         revisions = resolve(loaded, root)

@@ -1,9 +1,10 @@
 """`harness report EXP [--run RUN_ID] [--format table|md|junit] [--out FILE]`: a run's verdict.
 
 With an experiment file: rebuild report.json and index.html from the run's records (no GPU
-needed) in the run directory, copy both to reports/<name>/<run-id>/ and refresh
-reports/index.html. With a report.json or a report directory instead (a committed report, whose
-records are not in git): re-render its index.html from report.json alone.
+needed) in the run directory, copy both to <results>/reports/<name>/<run-id>/ and refresh
+<results>/reports/index.html (this repository's tracked reports/ is written by `harness publish`
+only). With a report.json or a report directory instead (a committed report, whose records are
+not in git): re-render its index.html from report.json alone.
 Then print the verdict: the terminal table (default), a markdown comment to paste into an issue
 or pull request (`--format md`), or JUnit XML with one test case per gate (`--format junit`);
 `--out FILE` writes it to FILE instead of stdout.
@@ -16,9 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from harness.bench import HARNESS_ROOT
 from harness.cli import UsageError
 from harness.formats import FORMATS
+from harness.results import PUBLISHED_REPORTS, add_results_arguments, roots_from_args
 from harness.spec import load_experiment
 
 VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
@@ -26,13 +27,10 @@ VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="re-render a run's report and print its verdict (table, markdown or JUnit)")
-    p.add_argument("experiment", help="path to experiments/<name>.yaml, or a report.json or report directory "
+    p.add_argument("experiment", help="path to an experiment file, or a report.json or report directory "
                                       "(reports/<name>/<run-id>/) to re-render from report.json alone")
     p.add_argument("--run", metavar="RUN_ID", help="run directory name (default: the newest run)")
-    p.add_argument("--profile-root", type=Path, default=HARNESS_ROOT / "profile",
-                   help="where the run records are (default: ./profile of this checkout)")
-    p.add_argument("--reports-root", type=Path, default=HARNESS_ROOT / "reports",
-                   help="where reports are published (default: ./reports of this checkout)")
+    add_results_arguments(p)
     p.add_argument("--format", choices=FORMATS, default="table",
                    help="what to print: the terminal table (default), markdown for an issue or PR, JUnit XML for CI")
     p.add_argument("--out", type=Path, metavar="FILE", help="write the --format output to FILE instead of stdout")
@@ -124,10 +122,15 @@ def run(args) -> int:
 
     source = Path(args.experiment)
     if is_report_path(source):
-        data, path = rerender(source if source.is_dir() else source.parent, args.reports_root.resolve())
+        report_dir = source if source.is_dir() else source.parent
+        _, reports_root = roots_from_args(args, None)
+        # a published report refreshes this repository's reports/index.html; one under a results root, that root's
+        root = next((r for r in (reports_root, PUBLISHED_REPORTS) if r in report_dir.resolve().parents), reports_root)
+        data, path = rerender(report_dir, root)
     else:
         loaded = load_experiment(args.experiment)
-        run_dir = find_run_dir(args.profile_root.resolve(), loaded.exp.name, args.run)
+        profile_root, reports_root = roots_from_args(args, loaded.path)
+        run_dir = find_run_dir(profile_root, loaded.exp.name, args.run)
         try:
             data = analyse.build_report(loaded, run_dir)
         except analyse.ReportError as e:
@@ -135,7 +138,7 @@ def run(args) -> int:
         if data["experiment"].get("matches_run") is False:
             print(f"warning: {loaded.path} changed since run {run_dir.name}; its gates are judged as declared now "
                   "(the report says so)", file=sys.stderr)
-        path = publish(data, run_dir, args.reports_root.resolve())
+        path = publish(data, run_dir, reports_root)
     emit_verdict(data, args.format, args.out)
     # stdout stays the verdict alone when it is markdown or JUnit (to paste or to pipe)
     where = sys.stdout if args.format == "table" and args.out is None else sys.stderr

@@ -1,22 +1,21 @@
 """`harness run EXP`: the whole protocol, resumable (`--resume`); exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE, 2 error."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from harness.cli import UsageError
 from harness.formats import print_verdict
 from harness.progress import make_progress
 from harness.revisions import RevisionError
+from harness.results import add_results_arguments, roots_from_args
 from harness.run import VERDICT_EXIT, RunError, RunOptions, run_experiment
 from harness.spec import load_experiment
 
 
 def add_common(p) -> None:
-    p.add_argument("experiment", help="path to experiments/<name>.yaml")
+    p.add_argument("experiment", help="path to an experiment file (anywhere)")
     p.add_argument("--resume", action="store_true", help="continue the newest (or --run-id) run from its last complete block")
-    p.add_argument("--run-id", help="name of the run directory under profile/<name>/runs/")
-    p.add_argument("--profile-root", type=Path, help="where raw records go (default: ./profile of this checkout)")
-    p.add_argument("--reports-root", type=Path, help="where reports go (default: ./reports of this checkout)")
+    p.add_argument("--run-id", help="name of the run directory under <results>/profile/<name>/runs/")
+    add_results_arguments(p)
     p.add_argument("--cpu", action="store_true", help="run the CPU smoke-test profile even when a GPU is present")
 
 
@@ -40,10 +39,7 @@ def options(args) -> RunOptions:
                       reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False),
                       bench_only=getattr(args, "bench_only", False),
                       measure_anyway=getattr(args, "measure_anyway", None))
-    if args.profile_root:
-        opts.profile_root = args.profile_root.resolve()
-    if args.reports_root:
-        opts.reports_root = args.reports_root.resolve()
+    opts.profile_root, opts.reports_root = roots_from_args(args, args.experiment)
     return opts
 
 

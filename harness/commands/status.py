@@ -21,7 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("experiment", nargs="?", help="experiments/<name>.yaml")
     p.add_argument("--run", type=Path, metavar="RUN_DIR", help="a run directory (profile/<name>/runs/<id>)")
     p.add_argument("--all", action="store_true", help="every run of the experiment, oldest first")
-    p.add_argument("--profile-root", type=Path, help="where run directories are (default: ./profile of the harness)")
+    p.add_argument("--profile-root", type=Path,
+                   help="where run directories are (default: <results>/profile, see `harness run --help`)")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--wait", type=float, default=0, metavar="SECONDS",
                    help="poll until the job reaches a final state, at most this long")
@@ -35,11 +36,12 @@ def run_dirs(args) -> list[Path]:
         return [args.run.resolve()]
     if not args.experiment:
         raise UsageError("give an experiment file or --run RUN_DIR")
+    from harness.results import roots_from_args
     from harness.run import RunOptions
     from harness.spec import load_experiment
 
     loaded = load_experiment(args.experiment)
-    profile_root = (args.profile_root or RunOptions().profile_root).resolve()
+    profile_root, _ = roots_from_args(args, loaded.path)
     from harness.run import pick_run_dir
 
     exp_dir = pick_run_dir(loaded, RunOptions(run_id="x", profile_root=profile_root))[1].parent

@@ -31,21 +31,23 @@ def add_parser(sub) -> None:
     p.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=None, help="whole node")
     p.add_argument("--template", help="slurm/<TEMPLATE>.sbatch.j2 (default: the experiment's slurm.template)")
     p.add_argument("--dependency", help="sbatch --dependency, e.g. afterok:123")
-    p.add_argument("--profile-root", type=Path, help="where run directories go (default: ./profile of the harness)")
-    p.add_argument("--reports-root", type=Path, help="where reports go (default: ./reports of the harness)")
+    p.add_argument("--profile-root", type=Path, help="where run directories go (default: <results>/profile, "
+                                                     "see `harness run --help`)")
+    p.add_argument("--reports-root", type=Path, help="where reports go (default: <results>/reports)")
     p.add_argument("--cpu", action="store_true", help="run the CPU smoke-test profile even on a GPU node")
     p.add_argument("--dry-run", action="store_true", help="render and keep job.sbatch, print it, do not submit")
     p.set_defaults(func=run)
 
 
 def roots(args, loaded) -> tuple[Path, Path]:
-    """profile and reports roots: given, or the harness's own; inside the experiment's repository or the harness."""
-    from harness.run import RunOptions
+    """profile and reports roots: given, or the experiment's results root; inside the experiment's
+    repository or the harness."""
+    from harness.results import results_root
 
-    default = RunOptions()
+    default = results_root(loaded.path)
     out = []
-    for name, given, fallback in (("--profile-root", args.profile_root, default.profile_root),
-                                  ("--reports-root", args.reports_root, default.reports_root)):
+    for name, given, fallback in (("--profile-root", args.profile_root, default / "profile"),
+                                  ("--reports-root", args.reports_root, default / "reports")):
         path = S.check_path(name, given if given is not None else fallback)
         if not any(path.is_relative_to(r.resolve()) for r in (loaded.root, S.HARNESS_ROOT)):
             raise S.SlurmError(f"{name}: {path} is outside the repository {loaded.root} (and the harness checkout)")

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.results import add_results_arguments, roots_from_args
 from harness.spec import SIDES, load_experiment
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("verify", help="check a side against the BENCH_BASE fixtures and the frozen paths "
                                       "(exit 1 on any FAIL)")
-    p.add_argument("experiment", help="path to experiments/<name>.yaml")
+    p.add_argument("experiment", help="path to an experiment file")
     p.add_argument("--side", choices=list(SIDES), default=None, help="default: both sides")
-    p.add_argument("--profile-root", type=Path, default=None, help="default: <harness checkout>/profile")
+    add_results_arguments(p, reports=False)
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when available")
     p.add_argument("--run-dir", type=Path, default=None, help="write verify.json here")
     p.set_defaults(func=run)
@@ -23,7 +24,7 @@ def run(args) -> int:
     from harness.revisions import RevisionError, resolve
 
     loaded = load_experiment(args.experiment)
-    profile_root = args.profile_root or fixtures.HARNESS_ROOT / "profile"
+    profile_root, _ = roots_from_args(args, loaded.path)
     record = fixtures.load_freeze(profile_root, loaded.exp.name)
     if record is None:
         raise UsageError(f"no {fixtures.freeze_path(profile_root, loaded.exp.name)}: run `harness freeze` first")

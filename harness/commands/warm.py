@@ -4,17 +4,17 @@ slower on a fresh GPU machine. Exit 0 when every process succeeded, 1 otherwise,
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from harness.cli import UsageError
 from harness.revisions import RevisionError, resolve
+from harness.results import add_results_arguments, roots_from_args
 from harness.spec import load_experiment
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("warm", help="compile the experiment's kernels in parallel before a run (GPU only)")
     p.add_argument("experiment", help="path to experiments/<name>.yaml")
-    p.add_argument("--profile-root", type=Path, help="where raw records go (default: ./profile of this checkout)")
+    add_results_arguments(p, reports=False)
     p.add_argument("--jobs", type=int, default=min(12, os.cpu_count() or 1),
                    help="processes at once (default: CPU count, at most 12)")
     p.add_argument("--side", choices=["baseline", "candidate"], action="append",
@@ -25,7 +25,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from harness.bench import HARNESS_ROOT
     from harness.device import cuda_available
     from harness.warm import run_warm
 
@@ -34,7 +33,7 @@ def run(args) -> int:
         raise UsageError("harness warm compiles GPU kernels: no CUDA device here (the CPU smoke test needs no warming)")
     if args.jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {args.jobs}")
-    root = (args.profile_root or HARNESS_ROOT / "profile").resolve()
+    root, _ = roots_from_args(args, loaded.path)
     try:
         revisions = resolve(loaded, root)
     except RevisionError as e:

@@ -1,0 +1,195 @@
+"""The repository's own test file as a gate (`kind: pytest`): the frozen file, run on both sides.
+
+For each pytest gate and side (a git worktree): the test file and every conftest.py above it are
+taken as they are at BENCH_BASE (the baseline commit when the experiment freezes no fixtures:
+BENCH_BASE adds only fixtures/<exp>/ to it), written over the side's copies for the run and put
+back afterwards, so a candidate never runs a test file it edited. Then, in the worktree,
+`python -m pytest FILE [-k K] -p no:cacheprovider --junitxml=...` runs with the side's block
+environment (its declared env, the experiment's Triton cache, the interpreter on a CPU run) and
+the worktree first on PYTHONPATH; each test's outcome comes from the JUnit XML.
+
+The gate: PASS when each side ran at least one test and none failed or errored; FAIL when a test
+failed or errored on a side (one the baseline fails too is named so: it cannot judge the
+candidate); no decision (INCONCLUSIVE) when pytest selected no test or could not run (its exit
+codes 2-5, a timeout). A CPU run uses the gate's `cpu_k` selection, or runs nothing when the gate
+says `run_on_cpu: false` (no decision there).
+
+Record: <run dir>/pytest.json {kind, gates: {<gate name>: {path, k, frozen_from, files,
+sides: {<side>: {returncode, counts, tests: [{test, outcome, time_s, message}], log}}, gate}}}.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from harness import fixtures as fx
+from harness.bench import side_env
+from harness.revisions import ResolvedSide, Revisions
+from harness.spec import SIDES, LoadedExperiment, PytestGate, setup_error
+
+PYTEST_FILE = "pytest.json"
+OUTCOMES = ("passed", "failed", "error", "skipped")
+# pytest's exit codes that mean it did not run the selection to the end (usage, internal error,
+# interrupted, nothing collected): no decision, whatever the tests did
+PYTEST_NO_DECISION = {2: "interrupted", 3: "internal error", 4: "usage error", 5: "no test selected"}
+
+
+def frozen_test_files(repo: Path | str, commit: str, path: str) -> dict[str, bytes] | None:
+    """The test file and the conftest.py files in its folder and every folder above it, as they
+    are in `commit` (repository-relative path -> bytes); None when the test file is not there."""
+    import git
+
+    tree = git.Repo(repo).commit(commit).tree
+    folders = [str(p) for p in PurePosixPath(path).parents]
+    out = {}
+    for rel in [path] + [("" if f == "." else f + "/") + "conftest.py" for f in folders]:
+        try:
+            out[rel] = (tree / rel).data_stream.read()
+        except KeyError:
+            if rel == path:
+                return None
+    return out
+
+
+def parse_junit(path: Path, test_file: str) -> list[dict]:
+    """One row per test case of a JUnit XML report: {test, outcome, time_s, message}."""
+    rows = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        outcome, message = "passed", None
+        for tag, name in (("failure", "failed"), ("error", "error"), ("skipped", "skipped")):
+            child = case.find(tag)
+            if child is not None:
+                outcome, message = name, (child.get("message") or (child.text or "").strip()[:500] or None)
+                break
+        rows.append({"test": f"{test_file}::{case.get('name')}", "outcome": outcome,
+                     "time_s": float(case.get("time") or 0.0), "message": message})
+    return rows
+
+
+def _overlay(worktree: Path, files: dict[str, bytes]) -> dict[str, bytes | None]:
+    """Write the frozen files over the worktree's; returns what was there (None: nothing)."""
+    before = {}
+    for rel, data in files.items():
+        target = worktree / rel
+        before[rel] = target.read_bytes() if target.is_file() else None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    return before
+
+
+def _restore(worktree: Path, before: dict[str, bytes | None]) -> None:
+    for rel, data in before.items():
+        target = worktree / rel
+        if data is None:
+            target.unlink(missing_ok=True)
+        else:
+            target.write_bytes(data)
+
+
+def pytest_env(loaded: LoadedExperiment, side: ResolvedSide, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
+    """The side's block environment with its worktree first on PYTHONPATH (the tests import the
+    repository's package from there, never an installed copy)."""
+    env = side_env(loaded, side.side, profile_root, cpu_mode)
+    env["PYTHONPATH"] = os.pathsep.join([side.worktree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, files: dict[str, bytes],
+             work_dir: Path, profile_root: Path, cpu_mode: bool) -> dict:
+    """The frozen test file on one side; {returncode, counts, tests, log, seconds, k}."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    junit, log = work_dir / "junit.xml", work_dir / "pytest.log"
+    junit.unlink(missing_ok=True)
+    k = (gate.cpu_k or gate.k) if cpu_mode else gate.k
+    argv = [sys.executable, "-m", "pytest", gate.path, "-p", "no:cacheprovider", f"--junitxml={junit}", "-q"]
+    if k:
+        argv += ["-k", k]
+    worktree = Path(side.worktree)
+    before = _overlay(worktree, files)
+    t0 = time.time()
+    try:
+        with log.open("w") as out:
+            proc = subprocess.run(argv, cwd=worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
+                                  stdout=out, stderr=subprocess.STDOUT, timeout=gate.timeout_s)
+        rc: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    finally:
+        _restore(worktree, before)
+    tests = parse_junit(junit, gate.path) if junit.is_file() else []
+    counts = {o: sum(1 for t in tests if t["outcome"] == o) for o in OUTCOMES}
+    return {"side": side.side, "sha": side.sha, "returncode": rc, "k": k, "argv": argv[1:], "counts": counts,
+            "tests": tests, "log": str(log), "seconds": round(time.time() - t0, 2)}
+
+
+def gate_verdict(gate: PytestGate, sides: dict[str, dict]) -> dict:
+    """{status, reason, numbers} of one pytest gate from its sides' results (see the module doc)."""
+    numbers = {side: r["counts"] for side, r in sides.items()}
+    undecided = []
+    for side, r in sides.items():
+        rc = r["returncode"]
+        if rc == "timeout":
+            undecided.append(f"{side}: pytest ran past timeout_s={gate.timeout_s}")
+        elif rc in PYTEST_NO_DECISION:
+            undecided.append(f"{side}: pytest exit {rc} ({PYTEST_NO_DECISION[rc]}; log {r['log']})")
+        elif rc not in (0, 1):
+            undecided.append(f"{side}: pytest exit {rc} (log {r['log']})")
+    red = {side: [t["test"] for t in r["tests"] if t["outcome"] in ("failed", "error")] for side, r in sides.items()}
+    if any(red.values()):
+        base_red = set(red.get("baseline", []))
+        parts = []
+        for side, names in red.items():
+            if names:
+                both = [n for n in names if side == "candidate" and n in base_red]
+                parts.append(f"{side}: {len(names)} failed ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                             + (f"; {len(both)} of them fail on the baseline too" if both else ""))
+        return fx.phase_verdict("FAIL", f"{gate.path}: " + "; ".join(parts), numbers)
+    if undecided:
+        return fx.phase_verdict(None, f"{gate.path}: " + "; ".join(undecided), numbers)
+    ran = {side: r["counts"]["passed"] for side, r in sides.items()}
+    if not all(ran.values()):
+        return fx.phase_verdict(None, f"{gate.path}: no test passed on {[s for s, n in ran.items() if not n]} "
+                                      "(all skipped or none selected)", numbers)
+    skipped = {side: r["counts"]["skipped"] for side, r in sides.items() if r["counts"]["skipped"]}
+    return fx.phase_verdict("PASS", f"{gate.path}{' -k ' + repr(sides['baseline']['k']) if sides['baseline']['k'] else ''}: "
+                                    + ", ".join(f"{side} {n} passed" for side, n in ran.items())
+                                    + (f" (skipped by the frozen file: {skipped})" if skipped else ""), numbers)
+
+
+def pytest_run(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, profile_root: Path,
+               cpu_mode: bool, log: Callable[[str], None] = print, freeze_record=None) -> dict:
+    """Every pytest gate on both sides; writes run_dir/pytest.json and returns it."""
+    base = revisions.baseline
+    frozen_from = freeze_record.bench_base_sha if freeze_record is not None and freeze_record.bench_base_sha \
+        else base.sha
+    record: dict = {"kind": "pytest", "frozen_from": frozen_from, "gates": {}}
+    for i, gate in enumerate(loaded.exp.gates):
+        if not isinstance(gate, PytestGate):
+            continue
+        files = frozen_test_files(revisions.repo, frozen_from, gate.path)
+        if files is None:
+            raise setup_error(loaded, (f"gates[{i}].path", f"{gate.path} does not exist at {frozen_from[:12]} "
+                                                          f"in {revisions.repo}"))
+        entry = {"path": gate.path, "k": gate.k, "cpu_k": gate.cpu_k, "frozen_from": frozen_from,
+                 "files": {rel: fx.sha256_bytes(data) for rel, data in files.items()}, "sides": {}}
+        record["gates"][gate.name] = entry
+        if cpu_mode and not gate.run_on_cpu:
+            entry["gate"] = fx.phase_verdict(None, f"{gate.path}: not run on a CPU machine (run_on_cpu: false)", {})
+            log(f"pytest: {gate.name}: not run on CPU (run_on_cpu: false)")
+            continue
+        for side in SIDES:
+            rs = getattr(revisions, side)
+            log(f"pytest: {gate.name}: {gate.path} on {side} {rs.sha[:12]}")
+            r = run_side(loaded, gate, rs, files, run_dir / "pytest" / gate.name / side, profile_root, cpu_mode)
+            entry["sides"][side] = r
+            log(f"pytest: {gate.name}: {side}: " + ", ".join(f"{n} {o}" for o, n in r["counts"].items() if n)
+                + f" (exit {r['returncode']}, {r['seconds']} s)")
+        entry["gate"] = gate_verdict(gate, entry["sides"])
+    (run_dir / PYTEST_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
+    return record

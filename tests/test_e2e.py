@@ -83,9 +83,9 @@ def test_faster_candidate_is_go(temp_repo):
 
 def test_identical_candidate_never_fails_non_regression(temp_repo):
     temp_repo.branch("same", work=4, message="candidate: same work, new commit")
-    # 8 blocks a side: on this CPU a fresh process of identical code can run 15-20% slower for its
-    # whole life, and with 3 blocks a side all three slow ones landed on the candidate once in CI
-    # (0.855x, a 1-in-20 split); with 8 the baseline's own spread sees such processes too
+    # 5 worker pairs: on this CPU a fresh process of identical code can run 15-20% slower for its
+    # whole life (with the first engine's 3 blocks a side all three slow ones once landed on the
+    # candidate: 0.855x); the interval is over pairs, so more pairs let it see such processes
     exp = temp_repo.experiment("same-cand", "same", """\
         - {kind: non_regression, name: no-regress, rows: all, modes: [fwd], margin: 0.02}
         """, blocks=5)

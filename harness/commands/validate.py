@@ -24,9 +24,12 @@ def run(args) -> int:
     def side(rev) -> str:
         return f"{rev.package.name}=={rev.package.version} (installed)" if rev.is_package else rev.ref
 
+    m = exp.measure
+    how = (f"{exp.blocks} blocks a side" if m.engine == "blocks" else
+           f"{m.pairs}-{m.max_pairs} worker pairs{' + A/A control' if m.control else ''}, "
+           f"+-{m.target_half_width:.1%} or {m.row_budget_s:g} s a row")
     print(f"{loaded.path}: ok: experiment {exp.name!r}: {len(exp.shapes)} shapes x {len(exp.modes)} modes, "
-          f"{exp.blocks} blocks a side, {len(exp.gates)} gates, baseline {side(exp.baseline)}, "
-          f"candidate {side(exp.candidate)}")
+          f"{how}, {len(exp.gates)} gates, baseline {side(exp.baseline)}, candidate {side(exp.candidate)}")
     if args.schema_only:
         return 0
     from harness.setup_check import check_setup

@@ -35,7 +35,7 @@ from harness.measure.model import (ENGINE, ROUND_FIELD, Burst, MeasureStart, Rou
 from harness.progress import Progress, as_progress
 from harness.records import append_jsonl, declared_side, load_measurement
 from harness.revisions import Revisions, check_unmoved
-from harness.spec import TIMED_BASES, LoadedExperiment, MeasureSpec
+from harness.spec import LoadedExperiment, MeasureSpec, setup_error
 
 TRAIN_MODE = "train"
 # seconds a worker may take to answer: its start (imports), a row's preparation (compile and autotune
@@ -163,6 +163,7 @@ class Driver:
         self.sides = ["baseline", "candidate"] + (["control"] if self.spec.control else [])
         self.pairs: list[Pair] = []
         self.cannot_start: str | None = None  # set when a whole batch of new pairs failed to start
+        self.started_any = False  # whether any pair of this session started
         self.known = load_measurement(self.samples_path)
         self.next_worker = max((w.index for w in self.known.workers), default=-1) + 1
         self.next_pair = max((w.pair for w in self.known.workers if w.pair is not None), default=-1) + 1
@@ -221,6 +222,7 @@ class Driver:
             pid = self.next_pair
             self.next_pair += 1
             new.append(Pair(pid, [self._spawn(pid, side) for side in self.sides]))
+        first_error: dict[str, tuple[str, Path]] = {}  # side -> (why its first worker did not start, its log)
         for pair in new:
             for w in pair.workers:
                 try:
@@ -231,6 +233,7 @@ class Driver:
                 self.write(WorkerStart(self.attempt, w.id, pair.id, w.side, hello.get("pid"), hello.get("host"),
                                        _now(), hello.get("gpu"), hello.get("provenance")))
                 if not hello.get("ok"):
+                    first_error.setdefault(w.side, (str(hello.get("error")), w.log_path))
                     w.kill()
                     self.write(WorkerEnd(self.attempt, w.id, "failed", f"the worker did not start: {hello.get('error')}",
                                          _now()))
@@ -241,11 +244,25 @@ class Driver:
             if not p.alive:
                 self.end_pair(p, "a worker of its pair did not start")
         if new and not live:
-            # every worker of that kind failed to start (an op that does not import, a package at the
-            # wrong version): a setup error, which more pairs would only repeat
+            # every new pair failed to start (an op that does not import, a package at the wrong
+            # version): a setup error, which more pairs would only repeat; before anything was
+            # measured it is the run's error (exit 2, never a verdict, never an attempt)
             self.cannot_start = "no worker pair could start (see the failed workers)"
+            if not self.started_any:
+                raise setup_error(self.loaded, *[(self._op_field(side), f"the {side} worker did not start: "
+                                                  f"{why.strip().splitlines()[-1] if why.strip() else why} (log: {log})")
+                                                 for side, (why, log) in first_error.items()])
+        self.started_any = self.started_any or bool(live)
         self.pairs += live
         return live
+
+    def _op_field(self, side: str) -> str:
+        """The experiment field that names what a worker of `side` imports."""
+        declared = "baseline" if side == "control" else declared_side(side, self.settings.aa)
+        rev = getattr(self.exp, declared)
+        if rev.is_package:
+            return f"{declared}.package"
+        return f"{declared}.op" if rev.op else "target.op"
 
     def end_pair(self, pair: Pair, why: str | None = None) -> None:
         for w in pair.workers:

@@ -598,9 +598,10 @@ class CpuProfile(Strict):
     blocks: int = Field(default=3, ge=3)
     training: list[TrainingRow] | None = None  # small rows under the same names as `training`
     stage_iters: int = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
-    # the lockstep engine on a CPU (no GPU verdict either way): few pairs and rounds, one call a burst
+    # the lockstep engine on a CPU (no GPU verdict either way): two pairs, one cycle of side orders
+    # (two rounds; the A/A control would make a cycle six), one call a burst
     measure: MeasureSpec = Field(default_factory=lambda: MeasureSpec(
-        pairs=2, max_pairs=2, calls_per_burst=1, min_rounds=2, max_rounds=2, secondary_rounds=1))
+        pairs=2, max_pairs=2, calls_per_burst=1, min_rounds=2, max_rounds=2, secondary_rounds=1, control=False))
     # folders (relative to the experiment file) put on PYTHONPATH of every process a CPU run starts
     # for a side, after the harness checkout: a `sitecustomize.py` there runs at interpreter start
     # (e.g. a shim that lets a repository's Triton autotuner run under the interpreter)

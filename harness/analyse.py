@@ -136,7 +136,7 @@ def _blocks_section(blocks: list[Block], boost: float | None) -> list[dict]:
                 medians.append({"shape": shape, "mode": mode, "row": _row_name(shape, mode), "n": s.n,
                                 "median_ms": s.median})
         out.append({
-            "index": b.index, "side": b.side, "attempt": b.attempt, "status": b.status, "error": b.error,
+            "index": b.index, "pair": b.pair, "side": b.side, "attempt": b.attempt, "status": b.status, "error": b.error,
             "start": b.t_start, "end": b.t_end, "host": b.host,
             "gpu_before": b.gpu_before, "gpu_after": b.gpu_after,
             "min_sm_clock_mhz": min(clocks) if clocks else None, "boost_sm_clock_mhz": boost,

@@ -13,13 +13,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from harness.executors import slurm as S
-from harness.records import completed_blocks, load_blocks
+from harness.records import load_measurement, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -131,8 +130,10 @@ def test_job_completes_with_the_verdict_of_a_local_run(temp_repo):
     assert env["slurmd_nodename"] and env["slurm_job_partition"] and env["harness_rc"] == 1
     manifest = json.loads((run_dir / "run.json").read_text())
     assert manifest["slurm"] and str(manifest["slurm"].get("slurm_job_id") or manifest["slurm"].get("job_id")) == job["job_id"]
-    plan = manifest["plan"]
-    assert [b.index for b in completed_blocks(run_dir / "samples.jsonl")] == list(range(len(plan)))
+    # every worker pair ran every round of the row, once (the experiment fixes 3 pairs x 4 rounds)
+    rounds = [(r["pair"], r["round"]) for r in read_jsonl(run_dir / "samples.jsonl") if r["type"] == "round"]
+    assert len(rounds) == len(set(rounds)) == 3 * 4, rounds
+    assert {k[:2] for k in load_measurement(run_dir / "samples.jsonl").row_ends} == {("small", "fwd")}
     # the real job-completion log has the job too (the fallback when slurmctld forgets it)
     jc = S._from_jobcomp(job["job_id"], None, None)
     assert jc is not None and jc.state == "COMPLETED" and jc.exit_code == 0
@@ -159,25 +160,29 @@ def test_job_array_runs_each_experiment_with_its_own_run(temp_repo):
     print(f"array of two: {time.monotonic() - t0:.0f} s")
 
 
-def test_cancelled_job_resumes_without_losing_or_repeating_a_block(temp_repo):
+def test_cancelled_job_resumes_without_losing_or_repeating_a_round(temp_repo):
     t0 = time.monotonic()
     temp_repo.branch("slow", work=12)
-    exp = temp_repo.experiment("cancel-me", "slow", NO_GO_GATE, extra=CPU_SLURM, samples=60, blocks=4)
+    exp = temp_repo.experiment("cancel-me", "slow", NO_GO_GATE, extra=CPU_SLURM, samples=20, blocks=3, rounds=8)
     [run_dir] = submit(temp_repo, exp)
     samples = run_dir / "samples.jsonl"
+
+    def rounds_done() -> list[tuple]:
+        return [(r["attempt"], r["pair"], r["round"]) for r in read_jsonl(samples) if r["type"] == "round"] \
+            if samples.exists() else []
+
     deadline = time.monotonic() + 300
-    while len(completed_blocks(samples)) < 2 and time.monotonic() < deadline:
+    while len(rounds_done()) < 3 and time.monotonic() < deadline:
         time.sleep(0.3)
-    done_before = {b.index: b.attempt for b in completed_blocks(samples)}
-    assert len(done_before) >= 2, f"no two blocks within 300 s\n{job_log(run_dir)}"
+    assert len(rounds_done()) >= 3, f"no three rounds within 300 s\n{job_log(run_dir)}"
     res = harness("cancel", run_dir, "--wait", "30", cwd=temp_repo.root, timeout=90)
     assert res.returncode == 0 and "CANCELLED" in res.stdout, res.stdout + res.stderr
     st = status(run_dir)
     assert (st["slurm_state"], st["state"]) == ("CANCELLED", "cancelled"), st
     assert "resume" in st and run_dir.name in st["resume"]
-    plan = json.loads((run_dir / "run.json").read_text())["plan"]
-    kept = {b.index: b.attempt for b in completed_blocks(samples)}
-    assert len(kept) < len(plan), "the job finished before the cancel: nothing to resume"
+    kept = set(rounds_done())
+    assert len(kept) < 3 * 8, "the job finished before the cancel: nothing to resume"
+    assert not any(r["type"] == "row_end" for r in read_jsonl(samples))
     first_job = st["job_id"]
 
     [again] = submit(temp_repo, "--resume", run_dir.name, exp)
@@ -185,12 +190,13 @@ def test_cancelled_job_resumes_without_losing_or_repeating_a_block(temp_repo):
     st = wait_final(run_dir, limit=400)
     assert (st["slurm_state"], st["verdict"], st["submissions"]) == ("COMPLETED", "NO-GO", 2), st
     assert st["job_id"] != first_job
-    final = completed_blocks(samples)
-    assert [b.index for b in final] == list(range(len(plan)))  # each block exactly once, none lost
-    assert all(b.side == plan[b.index]["side"] for b in final)
-    assert {i: a for i, a in ((b.index, b.attempt) for b in final) if i in kept} == kept  # kept, not re-measured
-    finished = Counter(b.index for b in load_blocks(samples) if b.complete)
-    assert set(finished.values()) == {1}, finished  # no block completed twice
+    final = rounds_done()
+    assert len(final) == len(set(final)) and kept <= set(final)  # none lost, none counted twice
+    m = load_measurement(samples)
+    [series] = [s for (shape, mode, _), s in m.series.items() if (shape, mode) == ("small", "fwd")]
+    assert series.n_rounds == len(final)
+    new_pairs = {p for _, p, _ in final} - {p for _, p, _ in kept}
+    assert new_pairs and all(len(series.pairs[p]) == 8 for p in new_pairs)  # fresh pairs, whole rows
     assert (run_dir / f"job-{first_job}.sbatch").is_file()  # the first script kept as evidence
     env = json.loads((run_dir / "slurm_env.json").read_text())
     assert [p["slurm_job_id"] for p in env["previous"]] == [first_job]

@@ -36,21 +36,22 @@ def op(x, w):
 """
 SPEEDUP = "- {kind: speedup, name: endpoint, row: small, mode: fwd, threshold: 1.25}\n"
 PHASES = {
-    # phase: (the worker's module, gates, extra experiment sections)
+    # phase: (the worker's module, gates, extra experiment sections, measurement engine)
     "oracle": ("harness.oracle_worker", "- {kind: correctness, name: correct}\n", """\
         fixture_shapes:
           - {name: tiny, B: 1, T: 4, H: 1, K: 8, V: 8}
         fixtures: {reference: "op:op", cases: [tiny], rtol: 1.0e-5, atol: 1.0e-6}
-        """),
+        """, "lockstep"),
     "profile": ("harness.profile_worker", "- {kind: amdahl, name: pre, stage: mm, row: small, min_share: 0.05, "
                 "min_bound: 1.0001}\n", """\
         stages:
           mm: {baseline: ['aten::mm'], candidate: ['aten::mm']}
         profile: {rows: [small], iters: 1}
-        """),
+        """, "lockstep"),
     "agreement": ("harness.agreement", "- {kind: agreement, name: same, rows: [small], modes: [fwd], rtol: 1.0e-5, "
-                  "atol: 1.0e-6}\n", ""),
-    "bench": ("harness.worker", SPEEDUP, ""),
+                  "atol: 1.0e-6}\n", "", "lockstep"),
+    "bench-lockstep": ("harness.measure.worker", SPEEDUP, "", "lockstep"),  # a side worker of the default engine
+    "bench-blocks": ("harness.worker", SPEEDUP, "", "blocks"),  # a block worker of the first engine
 }
 
 
@@ -139,9 +140,10 @@ def cleanup(proc: subprocess.Popen) -> None:
 
 @pytest.mark.parametrize("phase", list(PHASES))
 def test_sigterm_stops_the_phase_worker_and_leaves_a_resumable_run(temp_repo, phase):
-    module, gates, extra = PHASES[phase]
+    module, gates, extra, engine = PHASES[phase]
     repo = sleepy_repo(temp_repo)
-    exp = repo.experiment(f"term-{phase}", "main", gates, extra=textwrap.dedent(extra), blocks=3, samples=2)
+    exp = repo.experiment(f"term-{phase}", "main", gates, extra=textwrap.dedent(extra), blocks=3, samples=2,
+                          engine=engine)
     proc = start_harness(repo, exp)
     try:
         worker = wait_for_child(proc, module)
@@ -160,12 +162,12 @@ def test_sigterm_stops_the_phase_worker_and_leaves_a_resumable_run(temp_repo, ph
         cleanup(proc)
 
 
-def test_sigint_stops_the_block_worker_too(temp_repo):
+def test_sigint_stops_the_side_workers_too(temp_repo):
     repo = sleepy_repo(temp_repo)
     exp = repo.experiment("int", "main", SPEEDUP, blocks=3, samples=2)
     proc = start_harness(repo, exp)
     try:
-        worker = wait_for_child(proc, "harness.worker")
+        worker = wait_for_child(proc, "harness.measure.worker")
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 128 + signal.SIGINT and "stopped by SIGINT" in err, out + err
@@ -176,7 +178,7 @@ def test_sigint_stops_the_block_worker_too(temp_repo):
 
 def test_sigterm_mid_bench_then_resume_completes_every_block_once(temp_repo):
     repo = sleepy_repo(temp_repo)
-    exp = repo.experiment("term-resume", "main", SPEEDUP, blocks=3, samples=2)
+    exp = repo.experiment("term-resume", "main", SPEEDUP, blocks=3, samples=2, engine="blocks")
     samples = repo.root / "profile" / "term-resume" / "runs" / "r1" / "samples.jsonl"
     proc = start_harness(repo, exp, sleep=None)  # measure block 0 and more at full speed
     try:
@@ -198,12 +200,13 @@ def test_sigterm_mid_bench_then_resume_completes_every_block_once(temp_repo):
     assert all(len(b.samples[("small", "fwd")]) == 2 for b in done)
 
 
-def test_sigkill_of_the_harness_takes_its_block_worker_with_it(temp_repo):
+@pytest.mark.parametrize("engine, module", [("lockstep", "harness.measure.worker"), ("blocks", "harness.worker")])
+def test_sigkill_of_the_harness_takes_its_worker_with_it(temp_repo, engine, module):
     repo = sleepy_repo(temp_repo)
-    exp = repo.experiment("killed-parent", "main", SPEEDUP, blocks=3, samples=2)
+    exp = repo.experiment(f"killed-parent-{engine}", "main", SPEEDUP, blocks=3, samples=2, engine=engine)
     proc = start_harness(repo, exp)
     try:
-        worker = wait_for_child(proc, "harness.worker")
+        worker = wait_for_child(proc, module)
         time.sleep(0.5)
         proc.send_signal(signal.SIGKILL)  # no handler runs: the kernel's parent-death signal does it
         proc.wait(timeout=30)

@@ -145,7 +145,7 @@ def test_disk_full_mid_run_exits_4_and_a_resume_loses_nothing(temp_repo):
     _tmpfs(profile, "16m")
     try:
         temp_repo.branch("fast", work=2)
-        exp = temp_repo.experiment("full-disk", "fast", SPEEDUP, blocks=3, samples=3)
+        exp = temp_repo.experiment("full-disk", "fast", SPEEDUP, blocks=3, samples=3, engine="blocks")
         samples = profile / "full-disk" / "runs" / "r1" / "samples.jsonl"
         proc = subprocess.Popen([sys.executable, "-m", "harness", "run", str(exp), "--run-id", "r1", "--profile-root",
                                  str(profile), "--reports-root", str(temp_repo.root / "reports")],

@@ -128,25 +128,25 @@ def test_block_with_a_damaged_block_end_is_incomplete_so_a_resume_reruns_it(tmp_
 
 def test_unknown_record_types_pass_unchecked_and_block_readers_ignore_them(tmp_path):
     path = tmp_path / "samples.jsonl"
-    append_jsonl(path, {"type": "round", "pair": 0, "round": 3})  # a type this reader does not know
+    append_jsonl(path, {"type": "future_kind", "pair": 0, "x": 3})  # a type this reader does not know
     write_block(path, 0, "baseline", "a0", [1.0])
     damage: list[Damage] = []
-    assert read_jsonl(path, damage)[0] == {"type": "round", "pair": 0, "round": 3} and damage == []
+    assert read_jsonl(path, damage)[0] == {"type": "future_kind", "pair": 0, "x": 3} and damage == []
     assert [b.index for b in completed_blocks(path)] == [0]
 
 
 def test_a_new_record_type_is_checked_once_added_to_the_table(tmp_path, monkeypatch):
-    class RoundRecord(R.Record):
-        round: R.Index
+    class FutureRecord(R.Record):
+        step: R.Index
         ms: R.Ms = Field(default=0.0)
 
-    monkeypatch.setitem(R.RECORD_TYPES, "round", RoundRecord)
+    monkeypatch.setitem(R.RECORD_TYPES, "future_kind", FutureRecord)
     path = tmp_path / "samples.jsonl"
-    append_jsonl(path, {"type": "round", "round": 3, "ms": 1.0})
-    append_jsonl(path, {"type": "round", "round": -1})
+    append_jsonl(path, {"type": "future_kind", "step": 3, "ms": 1.0})
+    append_jsonl(path, {"type": "future_kind", "step": -1})
     damage: list[Damage] = []
-    assert read_jsonl(path, damage) == [{"type": "round", "round": 3, "ms": 1.0}]
-    assert "round: Input should be greater than or equal to 0" in damage[0].problem
+    assert read_jsonl(path, damage) == [{"type": "future_kind", "step": 3, "ms": 1.0}]
+    assert "step: Input should be greater than or equal to 0" in damage[0].problem
 
 
 def test_damage_is_logged_once_when_no_list_is_given(tmp_path, caplog):
@@ -155,6 +155,39 @@ def test_damage_is_logged_once_when_no_list_is_given(tmp_path, caplog):
     for _ in range(3):
         assert read_jsonl(path) == []
     assert [r.getMessage() for r in caplog.records] == [f"quarantined {path}:1: not a JSON line 'not json'"]
+
+
+def test_lockstep_records_with_damaged_lines_keep_every_whole_round(tmp_path):
+    """The lockstep engine's records (harness/measure/model.py) are checked too: a burst with a NaN
+    or an empty ms list, or a garbled round line, drops that round only."""
+    from harness.measure import model
+    from harness.records import load_measurement
+
+    path = tmp_path / "samples.jsonl"
+    append_jsonl(path, model.MeasureStart("s1", model.ENGINE, {}).to_json())
+    for w, side in enumerate(("baseline", "candidate")):
+        append_jsonl(path, model.WorkerStart("s1", w, 0, side).to_json())
+    for r in range(4):
+        for w, side in enumerate(("baseline", "candidate")):
+            burst = model.Burst("s1", w, 0, side, "small", "fwd", "eager", r, [2.0, 2.0] if w == 0 else [1.0, 1.0])
+            line = burst.to_json()
+            if (r, side) == (1, "candidate"):
+                line["ms"] = [float("nan")]
+            if (r, side) == (2, "baseline"):
+                line["ms"] = []
+            append_jsonl(path, line)
+        if r == 3:
+            with path.open("ab") as f:
+                f.write(b'{"type": "round", "attempt": "s1", "pa\n')
+        else:
+            append_jsonl(path, model.RoundDone("s1", 0, "small", "fwd", "eager", r).to_json())
+    damage: list[Damage] = []
+    m = load_measurement(path, damage)
+    series = m.series[("small", "fwd", "eager")]
+    assert len(series.pairs[0]) == 1 and series.pairs[0][0].base == [2.0, 2.0]  # round 0: the only whole one
+    assert [d.problem.split(":")[0] for d in damage] == ["burst record", "burst record", "not a JSON line '{\"type\""]
+    assert "ms.0: Input should be a finite number" in damage[0].problem
+    assert "ms: List should have at least 1 item" in damage[1].problem
 
 
 def test_resume_after_a_torn_last_line_and_a_garbled_middle_line_completes_and_resumes_again(temp_repo):
@@ -176,7 +209,7 @@ def test_resume_after_a_torn_last_line_and_a_garbled_middle_line_completes_and_r
                               text=True, timeout=600)
 
     exp = temp_repo.experiment("torn", "main", "- {kind: speedup, name: e, row: small, mode: fwd, threshold: 1.25}\n",
-                               blocks=3, samples=2)
+                               blocks=3, samples=2, engine="blocks")
     first = run()
     assert first.returncode in (0, 1, 3), first.stdout + first.stderr
     samples = temp_repo.root / "profile" / "torn" / "runs" / "r1" / "samples.jsonl"

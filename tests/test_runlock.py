@@ -133,7 +133,7 @@ def test_cli_run_refuses_a_run_folder_held_by_another_process(temp_repo):
 def test_two_harness_runs_of_one_run_at_once_the_second_is_refused_naming_the_first(temp_repo):
     repo = sleepy_repo(temp_repo)
     exp = repo.experiment("twice", "main", "- {kind: speedup, name: e, row: small, mode: fwd, threshold: 1.2}\n",
-                          blocks=3, samples=2)
+                          blocks=3, samples=2, engine="blocks")  # its block_start records name each worker's pid
     first = start_harness(repo, exp)  # run r1, its op asleep in block 0
     try:
         wait_for_child(first, "harness.worker")

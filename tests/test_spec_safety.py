@@ -81,8 +81,10 @@ def test_a_file_larger_than_any_experiment_is_refused_unread(tmp_path):
 @pytest.mark.parametrize("old, new, field, expected", [
     ("shapes:\n", "blocks: 1000000000\nshapes:\n", "blocks", "less than or equal to 1000"),
     ("T: 128,", "T: 1e20,", "shapes[0].T", "valid integer"),
+    ("T: 128,", "T: 1.0e+20,", "shapes[0].T", "valid integer"),  # YAML 1.1 reads this form as a float
     ("T: 128,", "T: 100000000000000000000,", "shapes[0].T", "less than or equal to 2147483647"),
     ("shapes:\n", "samples_per_block: 1e18\nshapes:\n", "samples_per_block", "valid integer"),
+    ("shapes:\n", "samples_per_block: 1.0e+18\nshapes:\n", "samples_per_block", "valid integer"),
     ("shapes:\n", "samples_per_block: 1000000000000000000\nshapes:\n", "samples_per_block", "less than or equal to 100000"),
     ("B: 2,", "B: 8.0,", "shapes[0].B", "valid integer"),
     ("shapes:\n", "samples_per_block: true\nshapes:\n", "samples_per_block", "valid integer"),
@@ -92,6 +94,7 @@ def test_a_file_larger_than_any_experiment_is_refused_unread(tmp_path):
     ("threshold: 1.10", "threshold: true", "gates[0].speedup.threshold", "valid number"),
     ("margin: 0.02", "margin: '0.02'", "gates[1].non_regression.margin", "valid number"),
     ("shapes:\n", "seed: 1e29\nshapes:\n", "seed", "valid integer"),
+    ("shapes:\n", "seed: 1.0e+29\nshapes:\n", "seed", "valid integer"),
     ("shapes:\n", "seed: 100000000000000000000000000000\nshapes:\n", "seed", "less than or equal to 4294967295"),
     ("shapes:\n", "seed: -1\nshapes:\n", "seed", "greater than or equal to 0"),
     ("seqlens: [10, 0, 300]", "seqlens: [10, 0.5, 300]", "shapes[1].seqlens[1]", "valid integer"),

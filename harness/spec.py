@@ -203,8 +203,10 @@ class Shape(BaseModel):
             if key in DERIVED_DIMS:
                 raise ValueError(f"{key!r} is computed from the other dims ({', '.join(DERIVED_DIMS)} are), "
                                  "not declared")
-            if type(value) is not int or not 0 < value <= MAX_DIM:
-                raise ValueError(f"dimension {key} must be a positive integer of at most {MAX_DIM}, got {value!r}")
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"dimension {key} must be a positive integer, got {value!r}")
+            if value > MAX_DIM:
+                raise ValueError(f"dimension {key} is {value}: more than a run can take (at most {MAX_DIM})")
         if self.seqlens is not None and ("B" in self.dims or "T" in self.dims):
             raise ValueError("give either B and T (dense) or seqlens (varlen), not both")
         if self.seqlens is None and not self.dims:

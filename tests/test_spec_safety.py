@@ -80,13 +80,13 @@ def test_a_file_larger_than_any_experiment_is_refused_unread(tmp_path):
 
 @pytest.mark.parametrize("old, new, field, expected", [
     ("shapes:\n", "blocks: 1000000000\nshapes:\n", "blocks", "less than or equal to 1000"),
-    ("T: 128,", "T: 1e20,", "shapes[0].T", "valid integer"),
-    ("T: 128,", "T: 1.0e+20,", "shapes[0].T", "valid integer"),  # YAML 1.1 reads this form as a float
-    ("T: 128,", "T: 100000000000000000000,", "shapes[0].T", "less than or equal to 2147483647"),
+    ("T: 128,", "T: 1e20,", "shapes[0]", "dimension T must be a positive integer, got"),
+    ("T: 128,", "T: 1.0e+20,", "shapes[0]", "dimension T must be a positive integer, got"),  # YAML 1.1 reads this form as a float
+    ("T: 128,", "T: 100000000000000000000,", "shapes[0]", "more than a run can take (at most 2147483647)"),
     ("shapes:\n", "samples_per_block: 1e18\nshapes:\n", "samples_per_block", "valid integer"),
     ("shapes:\n", "samples_per_block: 1.0e+18\nshapes:\n", "samples_per_block", "valid integer"),
     ("shapes:\n", "samples_per_block: 1000000000000000000\nshapes:\n", "samples_per_block", "less than or equal to 100000"),
-    ("B: 2,", "B: 8.0,", "shapes[0].B", "valid integer"),
+    ("B: 2,", "B: 8.0,", "shapes[0]", "dimension B must be a positive integer, got 8.0"),
     ("shapes:\n", "samples_per_block: true\nshapes:\n", "samples_per_block", "valid integer"),
     ("shapes:\n", "blocks: '5'\nshapes:\n", "blocks", "valid integer"),
     ("threshold: 1.10", "threshold: .inf", "gates[0].speedup.threshold", "finite number"),

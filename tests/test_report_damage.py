@@ -10,6 +10,7 @@ import pytest
 
 from harness.cli import main
 from test_report import build_run_dir
+from test_report_schema import _errors
 
 GOOD_SAMPLE = {"type": "sample", "block": 0, "side": "baseline", "attempt": "a0", "shape": "S1", "mode": "fwd", "i": 0}
 DAMAGE = {
@@ -47,6 +48,7 @@ def test_report_quarantines_a_damaged_samples_line_and_lists_it(tmp_path, capsys
     assert [(d["file"], d["line"]) for d in data["damage"]] == [(str(samples), 6)]
     assert problem in data["damage"][0]["problem"]
     assert 'id="damage"' in html and "Damaged records were not read (1)" in html and f"{samples}:6" in html
+    assert _errors(data) == []  # docs/report.schema.json declares the damage list
 
 
 def test_report_of_a_run_whose_samples_file_is_a_folder_lists_it(tmp_path):

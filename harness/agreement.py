@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from harness import children
 from harness.records import append_jsonl, declared_side, run_is_aa  # noqa: F401  (append_jsonl pins the harness package before any worktree)
 from harness.spec import AgreementGate, LoadedExperiment
 
@@ -86,7 +87,7 @@ def run_worker(argv: list[str], log_path: Path, env: dict, cwd: Path, timeout: f
     None on success, else the problem with the log's tail."""
     with log_path.open("w") as out:
         try:
-            rc = subprocess.run(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = children.run(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = None
     tail = log_path.read_text(errors="replace")[-1500:]

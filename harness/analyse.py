@@ -16,7 +16,8 @@ from pathlib import Path
 from harness import gates as G
 from harness import stats
 from harness.profile import pregate_terminal
-from harness.records import Block, Measurement, declared_side, load_measurement, read_jsonl
+from harness.errors import BadInput
+from harness.records import Block, Damage, Measurement, declared_side, load_measurement, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
 SCHEMA_VERSION = 2  # docs/report.schema.json: 2 = rows carry per-basis measurements (bases), report.measurement
@@ -31,14 +32,41 @@ PHASE_FILES = ("verify", "freeze", "pytest", "profile", "ncu", "training", "agre
 PHASE_GATE = {"profile": "amdahl", "ncu": "ncu", "agreement": "agreement"}
 
 
-class ReportError(Exception):
-    """The run directory lacks what a report needs (no run.json)."""
+class ReportError(BadInput):
+    """The run directory lacks what a report needs (no run.json, or a damaged one)."""
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
+# what a report cannot do without: a run.json lacking one is damaged (a CPU run would read as a GPU one)
+RUN_FIELDS = ("run_id", "experiment", "cpu_mode", "plan")
+
+
+def _read_json(path: Path, damage: list[Damage] | None = None) -> dict | None:
+    """A JSON object file, or None when it is missing. A damaged one (not UTF-8, not JSON, not an
+    object) raises ReportError, or with a `damage` list is described there and read as missing."""
+    if not path.exists():
         return None
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+        problem = None if isinstance(data, dict) else f"not a JSON object but {type(data).__name__}"
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        problem = f"unreadable: {e}"
+    if problem is None:
+        return data
+    if damage is None:
+        raise ReportError(f"{path} is damaged ({problem})")
+    damage.append(Damage(str(path), 0, f"{problem}; read as missing"))
+    return None
+
+
+def _read_run(run_dir: Path) -> dict:
+    run = _read_json(run_dir / "run.json")
+    if run is None:
+        raise ReportError(f"{run_dir} has no run.json: not a run directory")
+    missing = [k for k in RUN_FIELDS if k not in run]
+    if missing:
+        raise ReportError(f"{run_dir / 'run.json'} lacks {', '.join(missing)} (damaged): no report can say what "
+                          "this run measured")
+    return run
 
 
 def _clean(value):
@@ -250,12 +278,13 @@ def _geomeans_section(loaded: LoadedExperiment, shapes: list[Shape], ev: G.Evide
     return out
 
 
-def _phases(run_dir: Path, exp_dir: Path | None) -> tuple[dict[str, dict | None], dict[str, G.PhaseVerdict]]:
+def _phases(run_dir: Path, exp_dir: Path | None, damage: list[Damage] | None = None
+            ) -> tuple[dict[str, dict | None], dict[str, G.PhaseVerdict]]:
     records: dict[str, dict | None] = {}
     for name in PHASE_FILES:
-        rec = _read_json(run_dir / f"{name}.json")
+        rec = _read_json(run_dir / f"{name}.json", damage)
         if rec is None and name == "freeze" and exp_dir is not None:
-            rec = _read_json(exp_dir / "freeze.json")  # freeze runs once per experiment
+            rec = _read_json(exp_dir / "freeze.json", damage)  # freeze runs once per experiment
         records[name] = rec
     verdicts: dict[str, G.PhaseVerdict] = {}
     for kind, pv in ((records.get("verify") or {}).get("gates") or {}).items():
@@ -386,7 +415,7 @@ def _provenance(run: dict, run_dir: Path, exp=None) -> dict:
     versions = run.get("versions") or {}
     device = run.get("device") or {}
     # BENCH_BASE is the freeze's fixture commit (verify.json), never the harness's own SHA
-    verify = _read_json(run_dir / "verify.json") or {}
+    verify = _read_json(run_dir / "verify.json", []) or {}  # damage: listed by _phases already
     bench_base = ({"sha": verify["bench_base_sha"], "branch": verify.get("bench_base_branch")}
                   if verify.get("bench_base_sha") else None)
     return {
@@ -425,11 +454,12 @@ def _aa_noise(run: dict, rows: list[dict]) -> float | None:
 
 # --- the report ----------------------------------------------------------------------------------
 
-def _attempt_history(exp_dir: Path | None) -> tuple[list[dict], dict]:
+def _attempt_history(exp_dir: Path | None, damage: list[Damage] | None = None) -> tuple[list[dict], dict]:
     """The experiment's attempt log and its state (profile/<experiment>/attempts.jsonl, state.json)."""
-    attempts = read_jsonl(exp_dir / "attempts.jsonl") if exp_dir else []
-    state = (_read_json(exp_dir / "state.json") if exp_dir else None) or {}
-    return attempts, state
+    if exp_dir is None:
+        return [], {}
+    damage = [] if damage is None else damage  # a damaged log or state never stops a report
+    return read_jsonl(exp_dir / "attempts.jsonl", damage), _read_json(exp_dir / "state.json", damage) or {}
 
 
 def with_attempt_history(report: dict, loaded: LoadedExperiment, run_dir: Path) -> dict:
@@ -444,17 +474,16 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
     """report.json for one run directory (see module docstring). `terminal` names a reason the
     run stopped before candidate work (red baseline, failed pre-gate); it forces NO-GO."""
     loaded, run_dir = loaded_experiment, Path(run_dir)
-    run = _read_json(run_dir / "run.json")
-    if run is None:
-        raise ReportError(f"{run_dir} has no run.json: not a run directory")
+    run = _read_run(run_dir)
     exp = loaded.exp
-    measurement = load_measurement(run_dir / "samples.jsonl")
+    damage: list[Damage] = []  # quarantined lines and unreadable records: the report lists them
+    measurement = load_measurement(run_dir / "samples.jsonl", damage)
     blocks = measurement.workers
     shapes = _run_shapes(loaded, run)
     exp_dir = _experiment_dir(loaded, run_dir)
-    phase_records, phase_verdicts = _phases(run_dir, exp_dir)
-    attempts, state = _attempt_history(exp_dir)
-    aa_file = _read_json(run_dir / "aa.json") or {}
+    phase_records, phase_verdicts = _phases(run_dir, exp_dir, damage)
+    attempts, state = _attempt_history(exp_dir, damage)
+    aa_file = _read_json(run_dir / "aa.json", damage) or {}
     # training rows are measured with the operator rows; a training.json phase record (older runs)
     # supplies rows the measurement lacks
     ev = G.evidence_from_measurement(exp, measurement, phases=phase_verdicts,
@@ -492,6 +521,7 @@ def build_report(loaded_experiment: LoadedExperiment, run_dir: Path, terminal: s
         "failures": ev.failures,
         "phases": {**phase_records, "attempts": attempts, "experiment_state": state or None},
         "provenance": _provenance(run, run_dir, exp),
+        "damage": [d.to_json() for d in damage],
     }
     return _clean(report)
 

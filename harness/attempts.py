@@ -22,6 +22,8 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+from harness.errors import BadInput
+from harness.progress import plain
 from harness.records import append_jsonl, read_jsonl
 
 OPEN, TERMINAL_NO_GO, STOPPED = "OPEN", "TERMINAL_NO_GO", "STOPPED"
@@ -29,8 +31,14 @@ ATTEMPTS_FILE = "attempts.jsonl"
 STATE_FILE = "state.json"
 
 
-class AttemptError(Exception):
+class AttemptError(BadInput):
     """A reopen that is not allowed (terminal state, empty reason)."""
+
+
+def clean_reason(text: str) -> str:
+    """A reason or note a user typed, as it is stored and echoed: terminal escapes and control
+    characters removed, every run of whitespace (newlines too) one space."""
+    return " ".join(plain(text).split())
 
 
 def _now() -> str:
@@ -57,7 +65,14 @@ def read_state_file(profile_root, exp_name: str) -> dict:
     path = state_path(profile_root, exp_name)
     if not path.exists():
         return {}
-    return json.loads(path.read_text())
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        state = e
+    if not isinstance(state, dict):
+        raise AttemptError(f"{path} is damaged ({state}); move it away: the next run rebuilds it from "
+                           f"{ATTEMPTS_FILE} (a red baseline's terminal NO-GO comes back with the next freeze)")
+    return state
 
 
 def _write_state(profile_root, exp_name: str, state: dict) -> None:
@@ -154,7 +169,7 @@ def cap_verdict(state: dict, verdict: str) -> tuple[str, str | None]:
 def record_attempt(profile_root, exp_name: str, sha: str, note: str, verdict: str, failing_gates: list[str],
                    run_id: str | None, max_attempts: int | None = None, measured_verdict: str | None = None) -> dict:
     """Append one attempt and refresh state.json; returns the logged entry."""
-    entry = {"type": "attempt", "t": _now(), "run_id": run_id, "sha": sha, "note": note or "",
+    entry = {"type": "attempt", "t": _now(), "run_id": run_id, "sha": sha, "note": clean_reason(note or ""),
              "verdict": verdict, "measured_verdict": measured_verdict or verdict,
              "capped": measured_verdict is not None and measured_verdict != verdict,
              "failing_gates": list(failing_gates)}
@@ -165,14 +180,15 @@ def record_attempt(profile_root, exp_name: str, sha: str, note: str, verdict: st
 
 def reopen(profile_root, exp_name: str, reason: str, run_id: str | None = None, max_attempts: int | None = None) -> dict:
     """Log an explicit reopen (a new window of max_attempts); refused on a terminal NO-GO or without a reason."""
-    if not reason or not reason.strip():
+    reason = clean_reason(reason or "")
+    if not reason:
         raise AttemptError("reopen needs a reason (it is logged and shown in the report)")
     term = _terminal(profile_root, exp_name)
     if term is not None:
         raise AttemptError(f"{exp_name} is TERMINAL_NO_GO ({term.get('reason')}); a red baseline cannot be reopened")
     limit = max_attempts or int(read_state_file(profile_root, exp_name).get("max_attempts") or 3)
     before = compute_state(read_log(profile_root, exp_name), limit)
-    entry = {"type": "reopen", "t": _now(), "run_id": run_id, "reason": reason.strip(),
+    entry = {"type": "reopen", "t": _now(), "run_id": run_id, "reason": reason,
              "state_before": before["state"], "distinct_before": before["distinct_attempts"]}
     append_jsonl(log_path(profile_root, exp_name), entry)
     _refresh_state(profile_root, exp_name, max_attempts)
@@ -220,7 +236,7 @@ def format_table(entries: list[dict], state: dict | None = None) -> str:
     for e in entries:
         if e.get("type") == "reopen":
             seen = []
-            rows.append(("--", e.get("t", ""), "REOPEN", "", "", e.get("run_id") or "", e.get("reason", "")))
+            rows.append(("--", e.get("t", ""), "REOPEN", "", "", e.get("run_id") or "", clean_reason(str(e.get("reason", "")))))
             continue
         if e["sha"] not in seen:
             seen.append(e["sha"])
@@ -229,7 +245,7 @@ def format_table(entries: list[dict], state: dict | None = None) -> str:
         if e.get("capped"):
             verdict += f" (measured {e.get('measured_verdict')})"
         rows.append((n, e.get("t", ""), e["sha"][:12], verdict, ", ".join(e.get("failing_gates") or []) or "-",
-                     e.get("run_id") or "", e.get("note", "")))
+                     e.get("run_id") or "", clean_reason(str(e.get("note", "")))))
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(r[:-1], widths)) + "  " + str(r[-1]) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths) + "  " + "-" * 4)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from harness import children
 from harness.progress import Progress, as_progress
 from harness.records import Block, append_jsonl, completed_blocks, declared_side, load_blocks
 from harness.revisions import Revisions, check_unmoved
@@ -158,9 +159,10 @@ class SamplesTail:
 
 def _run_worker(argv: list[str], run_dir: Path, env: dict, log_path: Path, tail: SamplesTail, progress: Progress,
                 samples: int, poll_s: float = 0.25) -> int:
-    """The worker process, its output to `log_path`; its samples reported as they land."""
+    """The worker process, its output to `log_path`; its samples reported as they land. Started through
+    harness/children.py: on any way out (a stop signal, an error here) its process group is killed."""
     with log_path.open("w") as out:
-        proc = subprocess.Popen(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = children.start(argv, cwd=run_dir, env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
             while True:
                 try:
@@ -171,10 +173,8 @@ def _run_worker(argv: list[str], run_dir: Path, env: dict, log_path: Path, tail:
                     progress.row_progress(shape, mode, n, samples)
                 if proc.returncode is not None:
                     return proc.returncode
-        except BaseException:  # Ctrl-C or an error here: never leave a worker measuring behind us
-            proc.kill()
-            proc.wait()
-            raise
+        finally:  # never leave a worker (or anything it started) measuring behind us
+            children.kill_group(proc)
 
 
 def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings: BenchSettings,

@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
-from harness import attempts
+from harness import attempts, children
 from harness.revisions import Revisions, open_repo
 from harness.spec import LoadedExperiment, PytestGate, setup_error
 
@@ -246,8 +246,8 @@ def run_worker(job: dict, env: dict, work_dir: Path, timeout: float | None = Non
     log_path = work_dir / "worker.log"
     with open(log_path, "wb") as out:
         try:
-            proc = subprocess.run([sys.executable, "-m", "harness.oracle_worker", str(job_path)], cwd=work_dir,
-                                  env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = children.run([sys.executable, "-m", "harness.oracle_worker", str(job_path)], cwd=work_dir,
+                                env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"

@@ -37,6 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable
 
+from harness import children
+
 SCHEMA_VERSION = 1
 MEASURE_RANGE = "harness.measure"  # keep equal to harness.ncu_target.MEASURE_RANGE (no torch import here)
 DEFAULT_TIMEOUT_S = 1800  # per ncu subprocess; HARNESS_NCU_TIMEOUT overrides
@@ -727,7 +729,7 @@ def run_pass(argv: list[str], log_path: Path, env: dict, cwd: Path, timeout: int
     rec: dict = {"command": shlex.join(argv), "log": str(log_path), "report": str(report), "rc": None}
     try:
         with log_path.open("w") as out:
-            proc = subprocess.run(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = children.run(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
         rec["rc"] = proc.returncode
     except subprocess.TimeoutExpired:
         rec.update(status="failed", error=f"ncu timed out after {timeout} s", wall_s=round(time.perf_counter() - t0, 1))

@@ -58,6 +58,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
 
+from harness import children
 from harness.bench import side_env
 from harness.gates import ExprError, eval_bytes_expr, shape_dims
 from harness.spec import AmdahlGate, LoadedExperiment, Shape
@@ -345,9 +346,9 @@ def measure(loaded: LoadedExperiment, worktree: str, work_dir: Path, profile_roo
     log_path = work_dir / "profile-worker.log"
     log(f"profile: baseline at {len(job['rows'])} rows x {job['iters']} iters ({worktree})")
     with log_path.open("w") as out:
-        proc = subprocess.run([sys.executable, "-m", "harness.profile_worker", str(job_path)], cwd=work_dir,
-                              env=side_env(loaded, "baseline", profile_root, cpu_mode),
-                              stdout=out, stderr=subprocess.STDOUT)
+        proc = children.run([sys.executable, "-m", "harness.profile_worker", str(job_path)], cwd=work_dir,
+                            env=side_env(loaded, "baseline", profile_root, cpu_mode),
+                            stdout=out, stderr=subprocess.STDOUT)
     if not out_path.is_file():
         tail = log_path.read_text()[-2000:]
         return {"rows": [], "errors": [{"kind": "worker_failed",

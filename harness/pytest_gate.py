@@ -28,6 +28,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
+from harness import children
 from harness import fixtures as fx
 from harness.bench import side_env
 from harness.revisions import ResolvedSide, Revisions
@@ -115,8 +116,8 @@ def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, fil
     t0 = time.time()
     try:
         with log.open("w") as out:
-            proc = subprocess.run(argv, cwd=worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
-                                  stdout=out, stderr=subprocess.STDOUT, timeout=gate.timeout_s)
+            proc = children.run(argv, cwd=worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
+                                stdout=out, stderr=subprocess.STDOUT, timeout=gate.timeout_s)
         rc: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"

@@ -20,12 +20,27 @@ The lockstep engine (harness/measure/) writes its own kinds (harness/measure/mod
 worker, the kinds above with `block` = the worker's id. `load_measurement` reads a samples.jsonl of
 either engine into one `Measurement`: per-worker records as Blocks, and the timed rounds as
 stats.Series per (shape, mode, basis). It is the one path by which measurements are read back.
+
+Damage. Every record is one JSON object on one line, appended with one write and fsynced. A kill
+mid-write leaves a prefix of a line; a prefix of a JSON object is never a JSON object (its closing
+brace is its last byte), and the next append starts on a fresh line, so no append can glue onto a
+torn line to make a valid-looking record. Readers check every line against RECORD_TYPES (one
+pydantic model per record type, fields the readers rely on); a torn, undecodable, non-JSON or
+invalid line is quarantined (skipped, left in the file, and described by a `Damage` the report
+shows) instead of stopping the read. A block whose block_end is damaged is incomplete, so a resume
+re-runs it: a resume always starts from the last good record. Types missing from RECORD_TYPES pass
+unchecked and readers ignore the types they do not know.
 """
 from __future__ import annotations
 
+import functools
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 RowKey = tuple[str, str]  # (shape name, mode)
 
@@ -73,48 +88,232 @@ class Block:
         return []
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """All whole lines of a JSONL file; a torn last line (a kill mid-write) is skipped."""
+# --- what a valid record is: one model per record type -----------------------------------------
+# Add a type by adding its model to RECORD_TYPES; list only fields some reader relies on (extra
+# fields always pass). Strict: no string is read as a number, no bool as an int.
+
+Ms = Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]  # a measured duration
+Index = Annotated[int, Field(strict=True, ge=0)]  # a block, sample or step number; a byte count
+Name = Annotated[str, Field(strict=True, min_length=1)]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: Name
+
+
+class BlockRecord(Record):
+    block: Index
+    side: Name
+    attempt: Name
+
+
+class RowRecord(BlockRecord):
+    shape: Name
+    mode: Name
+
+
+class SampleRecord(RowRecord):
+    i: Index
+    ms: Ms
+
+
+class PeakRecord(RowRecord):
+    bytes: Index
+
+
+class StageRecord(RowRecord):
+    i: Index
+    stage: Name
+    ms: Ms
+
+
+class DeviceRecord(RowRecord):
+    i: Index
+    ms: Ms
+
+
+class KernelsRecord(RowRecord):
+    iters: Index
+    kernels: dict[str, Annotated[list[Annotated[float, Field(strict=True, ge=0, allow_inf_nan=False)]],
+                                 Field(min_length=2, max_length=2)]]  # name -> [total ms, launches]
+
+
+class FailureRecord(RowRecord):
+    error: str
+
+
+class TrainStepRecord(BlockRecord):
+    row: Name
+    step: Index
+    warmup: bool
+    ms: Ms
+    loss: float  # NaN allowed: a diverged step is a finding, not damage
+    tokens: Index
+
+
+class TrainRowRecord(BlockRecord):
+    row: Name
+
+
+class BlockEndRecord(BlockRecord):
+    status: Literal["ok", "failed"]
+    error: str | None = None
+
+
+class AttemptRecord(Record):  # attempts.jsonl (harness/attempts.py)
+    sha: Name
+    verdict: Name
+
+
+class ReopenRecord(Record):
+    reason: str
+
+
+# record type -> its model (a pydantic model); the lockstep engine's types are dataclasses in
+# harness/measure/model.py's own table, whose field types come from this module (see record_model)
+RECORD_TYPES: dict[str, type] = {
+    "block_start": BlockRecord, "provenance": BlockRecord, "sample": SampleRecord, "peak": PeakRecord,
+    "stage": StageRecord, "device": DeviceRecord, "kernels": KernelsRecord, "failure": FailureRecord,
+    "train_step": TrainStepRecord, "train_row": TrainRowRecord, "block_end": BlockEndRecord,
+    "attempt": AttemptRecord, "reopen": ReopenRecord,
+}
+
+log = logging.getLogger(__name__)
+_logged: set = set()  # Damage already logged by this process
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One quarantined line of a records file (or the file itself, line 0)."""
+
+    path: str
+    line: int
+    problem: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.problem}" if self.line else f"{self.path}: {self.problem}"
+
+    def to_json(self) -> dict:
+        return {"file": self.path, "line": self.line, "problem": self.problem}
+
+
+def _excerpt(raw: bytes) -> str:
+    text = raw.decode("utf-8", errors="replace").strip()
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return repr(text[:60] + ("..." if len(text) > 60 else ""))
+
+
+def record_model(kind: str) -> type | None:
+    """The model a record of this type is checked against: this module's table, then the lockstep
+    engine's (harness/measure/model.py); None for a type neither knows (it passes unchecked)."""
+    from harness.measure import model as lockstep
+
+    return RECORD_TYPES.get(kind) or lockstep.RECORD_TYPES.get(kind)
+
+
+@functools.cache
+def _validator(model: type):
+    """validate(record dict) for a pydantic model or a dataclass (the lockstep engine's records)."""
+    return model.model_validate if issubclass(model, BaseModel) else TypeAdapter(model).validate_python
+
+
+def check_record(rec) -> str | None:
+    """Why `rec` (one parsed line) is not a valid record, or None."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object but {type(rec).__name__}"
+    kind = rec.get("type")
+    if not isinstance(kind, str) or not kind:
+        return "no record type"
+    model = record_model(kind)
+    if model is None:
+        return None
+    try:
+        _validator(model)(rec)
+    except ValidationError as e:
+        return f"{kind} record: " + "; ".join(
+            f"{'.'.join(map(str, err['loc'])) or 'record'}: {err['msg']}" for err in e.errors()[:3])
+    return None
+
+
+def read_jsonl(path: Path, damage: list[Damage] | None = None) -> list[dict]:
+    """Every valid record of a JSONL file, in order. A torn, undecodable, non-JSON or invalid line is
+    skipped and described in `damage` (logged as a warning when no list is given); so is a path that
+    is not a regular file. A missing file has no records."""
+    path = Path(path)
+    found: list[Damage] = []
+    out: list[dict] = []
     if not path.exists():
-        return []
-    out = []
-    with path.open() as f:
-        for line in f:
-            if not line.endswith("\n"):
-                break  # torn tail
-            line = line.strip()
-            if line:
-                out.append(json.loads(line))
+        return out
+    if not path.is_file():
+        found.append(Damage(str(path), 0, "not a regular file: no records read from it"))
+    else:
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                if not raw.endswith(b"\n"):
+                    if raw.strip():
+                        found.append(Damage(str(path), lineno, f"torn last line (an interrupted write) {_excerpt(raw)}"))
+                    break
+                if not raw.strip():
+                    continue
+                try:
+                    rec = json.loads(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    found.append(Damage(str(path), lineno, f"not UTF-8 text {_excerpt(raw)}"))
+                    continue
+                except ValueError:
+                    found.append(Damage(str(path), lineno, f"not a JSON line {_excerpt(raw)}"))
+                    continue
+                problem = check_record(rec)
+                if problem:
+                    found.append(Damage(str(path), lineno, f"{problem} {_excerpt(raw)}"))
+                    continue
+                out.append(rec)
+    if damage is not None:
+        damage.extend(found)
+    else:
+        for d in found:
+            if d not in _logged:  # the same file is read again and again during a run: say it once
+                _logged.add(d)
+                log.warning("quarantined %s", d)
     return out
 
 
 def append_jsonl(path: Path, record: dict) -> None:
-    """Append one record and flush it to disk before returning."""
+    """Append one record as one line in one write and fsync it before returning. A torn line left by
+    a kill mid-write stays on a line of its own (see the module docstring)."""
     import os
 
+    line = (json.dumps(record, sort_keys=True) + "\n").encode()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+b") as f:
-        # a kill mid-write can leave a torn line: start ours on a fresh line
-        f.seek(0, os.SEEK_END)
-        if f.tell() > 0:
-            f.seek(-1, os.SEEK_END)
-            if f.read(1) != b"\n":
-                f.write(b"\n")
-        f.write((json.dumps(record, sort_keys=True) + "\n").encode())
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with path.open("a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    line = b"\n" + line
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:  # a failed write names no file: say which (a full disk, most often)
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
-def load_blocks(samples_path: Path) -> list[Block]:
-    """Every attempt's block, in file order; use `completed_blocks` for data."""
-    return _blocks(read_jsonl(samples_path))
+def load_blocks(samples_path: Path, damage: list[Damage] | None = None) -> list[Block]:
+    """Every attempt's block, in file order; use `completed_blocks` for data. `damage`: see read_jsonl."""
+    return _blocks(read_jsonl(samples_path, damage))
 
 
 def _blocks(recs: list[dict]) -> list[Block]:
     attempts: dict[str, Block] = {}
     for rec in recs:
         kind = rec["type"]
-        key = rec["attempt"]
+        key = rec.get("attempt")
+        if key is None:
+            continue  # a kind that belongs to no block or worker (or one this reader does not know)
         if kind == "worker_start":  # a lockstep worker: its records carry block = its id
             key = f"{rec['attempt']}/{rec['worker']}"
             attempts[key] = Block(index=rec["worker"], side=rec["side"], attempt=rec["attempt"], t_start=rec.get("t"),
@@ -171,9 +370,9 @@ def _blocks(recs: list[dict]) -> list[Block]:
     return list(attempts.values())
 
 
-def completed_blocks(samples_path: Path) -> list[Block]:
+def completed_blocks(samples_path: Path, damage: list[Damage] | None = None) -> list[Block]:
     """One Block per block index: the attempt that finished it, ordered by index."""
-    return completed_blocks_of(read_jsonl(samples_path))
+    return completed_blocks_of(read_jsonl(samples_path, damage))
 
 
 def run_is_aa(run_dir: Path) -> bool:
@@ -203,12 +402,12 @@ class Measurement:
     throttled: list = field(default_factory=list)  # (shape, mode, basis, pair, round, why) of left-out rounds
 
 
-def load_measurement(samples_path: Path) -> Measurement:
-    """The one reader of a run's samples.jsonl, whichever engine wrote it."""
+def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> Measurement:
+    """The one reader of a run's samples.jsonl, whichever engine wrote it. `damage`: see read_jsonl."""
     from harness.measure import model
     from harness.stats import Round, Series
 
-    recs = read_jsonl(Path(samples_path))
+    recs = read_jsonl(Path(samples_path), damage)
     if not any(r.get("type") == "measure_start" for r in recs):
         blocks = completed_blocks_of(recs)
         return Measurement("blocks" if blocks else "none", blocks, _block_series(blocks))
@@ -262,3 +461,4 @@ def _block_series(blocks: list[Block]) -> dict:
             if series:
                 out[(*key, basis)] = series
     return out
+

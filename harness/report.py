@@ -8,6 +8,7 @@ inline, and the only script sorts tables; nothing is fetched, so the file opens 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from pathlib import Path
@@ -280,12 +281,18 @@ def render_html(report: dict) -> str:
 
 
 def _load_reports(reports_dir: Path) -> list[tuple[Path, dict]]:
+    """Every report.json under reports_dir that the index can list. A half-copied or damaged one is
+    skipped with a warning: it must never take the index (and the end of every run) down with it."""
     out = []
     for path in sorted(reports_dir.glob("*/*/report.json")):
         try:
-            out.append((path, json.loads(path.read_text())))
-        except (OSError, json.JSONDecodeError):
-            continue  # a half-copied report is skipped, not fatal for the index
+            rep = json.loads(path.read_bytes())
+            if not isinstance(rep.get("experiment", {}).get("name"), str) or not isinstance(rep.get("run") or {}, dict):
+                raise ValueError("no experiment name or run section")
+        except (OSError, ValueError, AttributeError) as e:
+            logging.getLogger(__name__).warning("reports index: skipped %s (damaged: %s)", path, e)
+            continue
+        out.append((path, rep))
     return out
 
 
@@ -300,20 +307,29 @@ def render_index(reports_dir: Path) -> Path:
     for path, rep in loaded:
         by_run.setdefault(rep["experiment"]["name"], {})[str((rep.get("run") or {}).get("id") or path.parent.name)] = rep
     for path, rep in loaded:
-        prov = rep.get("provenance") or {}
-        run = rep.get("run") or {}
-        when = run.get("started") or run.get("finished") or rep.get("generated") or ""
-        runs.append({
-            "experiment": rep["experiment"]["name"], "run_id": run.get("id") or path.parent.name,
-            "href": f"{path.parent.parent.name}/{path.parent.name}/index.html", "date": when,
-            "verdict": rep.get("verdict"), "cpu_mode": run.get("cpu_mode"), "headline": headline(rep),
-            "baseline": prov.get("baseline") or {}, "candidate": prov.get("candidate") or {},
-            "deciding": [g["name"] for g in rep.get("deciding_gates") or []],
-        })
-        history = (rep.get("phases") or {}).get("attempts") or []
-        name = rep["experiment"]["name"]
-        if history and (name not in attempts or when >= attempts[name][0]):
-            attempts[name] = (when, attempt_history(history, by_run.get(name, {})))
+        try:  # a report whose sections are damaged is skipped like an unreadable one
+            prov = rep.get("provenance") or {}
+            run = rep.get("run") or {}
+            when = str(run.get("started") or run.get("finished") or rep.get("generated") or "")
+            entry = {
+                "experiment": rep["experiment"]["name"], "run_id": str(run.get("id") or path.parent.name),
+                "href": f"{path.parent.parent.name}/{path.parent.name}/index.html", "date": when,
+                "verdict": rep.get("verdict"), "cpu_mode": run.get("cpu_mode"), "headline": headline(rep),
+                "baseline": prov.get("baseline") or {}, "candidate": prov.get("candidate") or {},
+                "deciding": [g["name"] for g in rep.get("deciding_gates") or []],
+            }
+            name = rep["experiment"]["name"]
+            history = (rep.get("phases") or {}).get("attempts") or []
+            if history and (name not in attempts or when >= attempts[name][0]):
+                history = (when, attempt_history(history, by_run.get(name, {})))
+            else:
+                history = None
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            logging.getLogger(__name__).warning("reports index: skipped %s (damaged: %s: %s)", path, type(e).__name__, e)
+            continue
+        runs.append(entry)
+        if history is not None:
+            attempts[name] = history
     runs.sort(key=lambda x: (x["date"], x["run_id"]), reverse=True)
     html = _env().get_template("index.html.j2").render(
         runs=runs, attempts={k: v[1] for k, v in sorted(attempts.items())})

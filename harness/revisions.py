@@ -8,15 +8,17 @@ run is detected by comparing the branch tip with the SHA recorded at resolution.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import git
 
+from harness.errors import BadInput
 from harness.spec import LoadedExperiment
 
 
-class RevisionError(Exception):
+class RevisionError(BadInput):
     """A ref that does not resolve, a baseline that is not a commit, a candidate that moved."""
 
 
@@ -70,15 +72,38 @@ def resolve_ref(repo: git.Repo, ref: str, field: str) -> tuple[str, str | None]:
     return commit.hexsha, branch
 
 
-def _ensure_worktree(repo: git.Repo, path: Path, sha: str) -> None:
-    """A detached worktree at `sha` (created once, moved when the SHA changes, never dirty)."""
-    if path.exists() and (path / ".git").exists():
+def _usable_worktree(repo: git.Repo, path: Path) -> git.Repo | None:
+    """`path` as a worktree of `repo`, or None when it is not one: no .git, a .git pointing at a
+    repository that is not there (a folder carried from another machine), or another repository's."""
+    if not (path / ".git").exists():
+        return None
+    try:
         wt = git.Repo(path)
+        def common_dir(r: git.Repo) -> Path:
+            return Path(r.working_dir, r.git.rev_parse("--git-common-dir")).resolve()
+
+        if common_dir(wt) != common_dir(repo):
+            return None
+        wt.head.commit  # noqa: B018  (raises when HEAD is unreadable)
+        return wt
+    except (git.InvalidGitRepositoryError, git.NoSuchPathError, git.GitCommandError, ValueError):
+        return None
+
+
+def _ensure_worktree(repo: git.Repo, path: Path, sha: str) -> None:
+    """A detached worktree at `sha` (created once, moved when the SHA changes, never dirty). A folder
+    in its place that is no worktree of `repo` is the harness's own leftover: removed and recreated."""
+    wt = _usable_worktree(repo, path) if path.exists() else None
+    if wt is not None:
         if wt.head.commit.hexsha != sha:
             wt.git.checkout("--detach", "--force", sha)
         if wt.is_dirty(untracked_files=False):
             wt.git.checkout("--force", sha)
         return
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     repo.git.worktree("prune")
     repo.git.worktree("add", "--force", "--detach", str(path), sha)
@@ -116,7 +141,7 @@ def ensure_worktrees(revisions: Revisions) -> None:
     """Recreate the recorded worktrees at their recorded SHAs (a resume on a fresh clone or machine)."""
     repo = None
     for side in (revisions.baseline, revisions.candidate):
-        if side.kind == "git" and not (Path(side.worktree) / ".git").exists():
+        if side.kind == "git":
             repo = repo or open_repo(Path(revisions.repo))
             _ensure_worktree(repo, Path(side.worktree), side.sha)
 

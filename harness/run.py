@@ -6,7 +6,9 @@ when that record exists (so `--resume` re-runs only what is missing):
     -> profile (when an amdahl gate) -> bench -> ncu (GPU, when `ncu:`) -> analyse + report
     -> attempt log
 The report goes to <results>/reports/<name>/<run-id>/; putting it into this repository's tracked
-reports/ is `harness publish`, never a side effect of a run.
+reports/ is `harness publish`, never a side effect of a run. The whole run holds the run folder's
+lock (harness/runlock.py): a second `harness run --resume` of the same run, local or in a Slurm
+job, is refused naming the holder.
 """
 from __future__ import annotations
 
@@ -22,15 +24,16 @@ from typing import Callable
 
 from harness import revisions as rev
 from harness.bench import HARNESS_ROOT, BenchSettings, block_plan, run_blocks
+from harness.errors import BadInput, in_run
 from harness.progress import Progress, as_progress
+from harness.records import read_jsonl
 from harness.results import results_root
-from harness.spec import LoadedExperiment
+from harness.runlock import run_lock
+from harness.spec import SAFE_NAME, LoadedExperiment
 
-VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
 
-
-class RunError(Exception):
-    """The run cannot proceed as asked (bad resume, missing run, experiment changed)."""
+class RunError(BadInput):
+    """The run cannot proceed as asked (bad resume, missing run, experiment changed, a live job)."""
 
 
 @dataclass
@@ -69,6 +72,9 @@ def new_run_id() -> str:
 def pick_run_dir(loaded: LoadedExperiment, opts: RunOptions) -> tuple[str, Path, bool]:
     """(run id, run dir, whether it already existed)."""
     exp_dir = opts.profile_root / loaded.exp.name / "runs"
+    if opts.run_id is not None and not SAFE_NAME.match(opts.run_id):
+        raise RunError(f"--run-id {opts.run_id!r}: a run id is a name, not a path "
+                       f"(it must match {SAFE_NAME.pattern})")
     if opts.run_id:
         run_dir = exp_dir / opts.run_id
         if opts.resume and not run_dir.exists():
@@ -85,7 +91,10 @@ def pick_run_dir(loaded: LoadedExperiment, opts: RunOptions) -> tuple[str, Path,
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    try:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from e  # a failed write names no file: say which
     tmp.replace(path)  # atomic: a crash never leaves half a record
 
 
@@ -139,18 +148,62 @@ def run_experiment(loaded: LoadedExperiment, opts: RunOptions,
             progress.close()
 
 
+def resume_command(loaded: LoadedExperiment, opts: RunOptions, run_id: str) -> str:
+    """The command that continues this run where it stopped."""
+    argv = ["harness", "bench" if opts.bench_only else "run", str(loaded.path), "--resume", "--run-id", run_id]
+    root = results_root(loaded.path)  # where this experiment's runs go by default
+    for flag, value, default in (("--profile-root", opts.profile_root, root / "profile"),
+                                 ("--reports-root", opts.reports_root, root / "reports")):
+        if Path(value).resolve() != default.resolve():
+            argv += [flag, str(value)]
+    return shlex.join(argv + (["--cpu"] if opts.force_cpu else []))
+
+
+def _refuse_live_slurm_job(run_dir: Path) -> None:
+    """A run submitted to Slurm is its job's while the job is queued or running (the job takes the
+    run lock only once it starts)."""
+    from harness.executors import slurm
+
+    job = slurm.live_job_elsewhere(run_dir)
+    if job is not None:
+        raise RunError(f"run {run_dir.name} belongs to Slurm job {job['job_ref']} ({job['state']}); wait for it "
+                       f"or `harness cancel {run_dir}` first")
+
+
 def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str, Path, dict]:
+    log.phase("resolve")
+    run_id, run_dir, existed = pick_run_dir(loaded, opts)
+    if existed:
+        _refuse_live_slurm_job(run_dir)
+    with run_lock(run_dir, command=invoked_command()) as lock, \
+            in_run(run_dir, resume_command(loaded, opts, run_id)):
+        if lock.took_over:
+            log(f"took over the lock of a holder that died: {lock.took_over}")
+        return _run_locked(loaded, opts, log, run_id, run_dir, existed)
+
+
+def _read_manifest(path: Path) -> dict:
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RunError(f"{path} is damaged ({e}); this run cannot be resumed: start a new run") from e
+    missing = [k for k in ("experiment_yaml", "revisions", "cpu_mode", "plan", "commands") if k not in manifest] \
+        if isinstance(manifest, dict) else ["all fields (not a JSON object)"]
+    if missing:
+        raise RunError(f"{path} lacks {', '.join(missing)} (damaged); this run cannot be resumed: start a new run")
+    return manifest
+
+
+def _run_locked(loaded: LoadedExperiment, opts: RunOptions, log: Progress, run_id: str, run_dir: Path,
+                existed: bool) -> tuple[str, Path, dict]:
     from harness.device import cuda_available
 
-    log.phase("resolve")
     exp = loaded.exp
     cpu_mode = opts.force_cpu or not cuda_available()
-    run_id, run_dir, existed = pick_run_dir(loaded, opts)
-    run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "run.json"
 
     if existed and manifest_path.exists():
-        manifest = json.loads(manifest_path.read_text())
+        manifest = _read_manifest(manifest_path)
         if manifest.get("experiment_yaml") != loaded.path.read_text():
             raise RunError(f"{loaded.path} changed since run {run_id} started; resume needs the same experiment "
                            "(start a new run instead)")
@@ -161,7 +214,11 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
         settings = replace(BenchSettings.for_machine(loaded, cpu_mode), aa=manifest.get("aa", False))
         plan = [p["side"] for p in manifest["plan"]]
         manifest["commands"].append(invoked_command())
-        log(f"resuming run {run_id} ({sum(1 for _ in (run_dir / 'samples.jsonl').open()) if (run_dir / 'samples.jsonl').exists() else 0} records so far)")
+        damage: list = []
+        records = read_jsonl(run_dir / "samples.jsonl", damage)
+        log(f"resuming run {run_id} ({len(records)} records so far)")
+        for d in damage:
+            log(f"warning: {d} (not read as data)")
     else:
         revisions = rev.resolve(loaded, opts.profile_root)
         if opts.aa:

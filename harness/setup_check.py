@@ -16,12 +16,12 @@ is reported with its field (spec.SetupError, exit 2).
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from harness import children
 from harness import fixtures as fx
 from harness import revisions as rev
 from harness.spec import SIDES, LoadedExperiment, PytestGate, setup_error
@@ -77,8 +77,8 @@ def collect_tests(loaded: LoadedExperiment, side: rev.ResolvedSide, gate: Pytest
     argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", gate.path]
     if k:
         argv += ["-k", k]
-    proc = subprocess.run(argv, cwd=side.worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
-                          capture_output=True, text=True, timeout=gate.timeout_s)
+    proc = children.run(argv, cwd=side.worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
+                        capture_output=True, text=True, timeout=gate.timeout_s)
     out = proc.stdout + proc.stderr
     tests = [line.strip() for line in proc.stdout.splitlines() if "::" in line and not line.startswith(" ")]
     return proc.returncode, tests, out[-1500:]

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.errors import BadInput
+
 # Names reach file paths, git branch names and sbatch scripts: keep them to a safe alphabet.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 Mode = Literal["fwd", "fwdbwd"]
@@ -20,7 +22,7 @@ Side = Literal["baseline", "candidate"]
 SIDES: tuple[Side, Side] = ("baseline", "candidate")
 
 
-class SpecError(Exception):
+class SpecError(BadInput):
     """A bad experiment file; `str()` names the file, the YAML path and the line."""
 
     def __init__(self, path: Path | str, problems: list[tuple[str, int | None, str]]):
@@ -40,8 +42,26 @@ class SetupError(SpecError):
     `setup_error`, which finds the field's line."""
 
 
+# --- bounds: what one run can do -------------------------------------------------------------
+# Every number of an experiment is one of these types. Integers are strict (8.0, true and "8" are
+# refused, never read as 8 or 1) and capped at what a run can do: a larger value is a typo, not a
+# plan; floats are finite. A field adds its own lower bound where it assigns its default:
+# `warmup: Count = Field(default=3, ge=0)`. (An upper bound given there is overridden by the type's:
+# give a field a tighter one with its own Annotated type.)
+MAX_COUNT = 100_000  # samples, warm-up calls, iterations, steps, attempts, passes (per block or per run)
+MAX_BLOCKS = 1_000  # blocks a side
+MAX_DIM = 2**31 - 1  # a tensor dimension or length (B, T, H, K, V, seqlens, hidden, vocab): an int32 index
+MAX_SEED = 2**32 - 1  # what numpy's and torch's generators both take
+Count = Annotated[int, Field(strict=True, le=MAX_COUNT)]
+BlockCount = Annotated[int, Field(strict=True, le=MAX_BLOCKS)]
+Dim = Annotated[int, Field(strict=True, le=MAX_DIM)]
+Seed = Annotated[int, Field(strict=True, ge=0, le=MAX_SEED)]
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]  # thresholds, margins, tolerances
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: no value is coerced (a string is no number, a number no string, 1 no bool)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 _OP_FORM = r"[A-Za-z_][\w.]*:[A-Za-z_]\w*"
@@ -120,9 +140,11 @@ class Revision(Strict):
     @field_validator("env")
     @classmethod
     def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        for key in v:
+        for key, value in v.items():
             if not re.fullmatch(r"[A-Z_][A-Z0-9_]*", key):
                 raise ValueError(f"environment variable name {key!r} must match [A-Z_][A-Z0-9_]*")
+            if "\0" in value:
+                raise ValueError(f"the value of {key} holds a NUL byte, which no environment variable can hold")
         return v
 
     @model_validator(mode="after")
@@ -157,7 +179,7 @@ class Shape(BaseModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: str
-    seqlens: list[int] | None = None
+    seqlens: list[Dim] | None = None
 
     @field_validator("name")
     @classmethod
@@ -183,6 +205,8 @@ class Shape(BaseModel):
                                  "not declared")
             if type(value) is not int or value <= 0:
                 raise ValueError(f"dimension {key} must be a positive integer, got {value!r}")
+            if value > MAX_DIM:
+                raise ValueError(f"dimension {key} is {value}: more than a run can take (at most {MAX_DIM})")
         if self.seqlens is not None and ("B" in self.dims or "T" in self.dims):
             raise ValueError("give either B and T (dense) or seqlens (varlen), not both")
         if self.seqlens is None and not self.dims:
@@ -286,7 +310,7 @@ class SpeedupGate(_Gate):
     row: str
     mode: Mode = "fwdbwd"
     stage: str | None = None  # a key of `stages`; None = the whole call
-    threshold: float = Field(gt=0)
+    threshold: Finite = Field(gt=0)
     basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
@@ -294,7 +318,7 @@ class GeomeanGate(_Gate):
     kind: Literal["geomean"]
     rows: list[str] = Field(min_length=1)
     mode: Mode = "fwdbwd"
-    threshold: float = Field(gt=0)
+    threshold: Finite = Field(gt=0)
     basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
@@ -304,7 +328,7 @@ class NonRegressionGate(_Gate):
     kind: Literal["non_regression"]
     rows: list[str] | Literal["all"] = "all"
     modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
-    margin: float = Field(gt=0, lt=1)
+    margin: Finite = Field(gt=0, lt=1)
     basis: Annotated[Basis, BeforeValidator(_basis_name)] = "auto"
 
 
@@ -335,8 +359,8 @@ class AmdahlGate(_Gate):
     kind: Literal["amdahl"]
     stage: str
     row: str
-    min_share: float = Field(gt=0, lt=1)
-    min_bound: float = Field(gt=1)
+    min_share: Finite = Field(gt=0, lt=1)
+    min_bound: Finite = Field(gt=1)
     denominator: Literal["device", "wall"] = "wall"
 
 
@@ -344,7 +368,7 @@ class NcuExpectation(Strict):
     stage: str
     metric: str
     relation: Literal["lower_by_at_least", "higher_by_at_most", "candidate_at_most", "candidate_ratio_at_least"]
-    value: float
+    value: Finite
 
 
 class NcuGate(_Gate):
@@ -360,8 +384,8 @@ class AgreementGate(_Gate):
     kind: Literal["agreement"]
     rows: list[str] = Field(min_length=1)
     modes: list[Mode] = Field(default_factory=lambda: ["fwd", "fwdbwd"])
-    rtol: float = Field(gt=0)
-    atol: float = Field(ge=0)
+    rtol: Finite = Field(gt=0)
+    atol: Finite = Field(ge=0)
 
 
 class PytestGate(_Gate):
@@ -402,8 +426,8 @@ class TrainingGate(_Gate):
 
     kind: Literal["training"]
     rows: list[str] = Field(min_length=1)
-    neutral_margin: float = Field(gt=0, lt=1)
-    min_best_speedup: float = Field(gt=0)
+    neutral_margin: Finite = Field(gt=0, lt=1)
+    min_best_speedup: Finite = Field(gt=0)
 
 
 class TrainingRow(Strict):
@@ -413,23 +437,23 @@ class TrainingRow(Strict):
 
     name: str
     model: str  # "relative/path.py:build_fn", relative to the experiment file; build_fn(cfg, attn_fn)
-    hidden: int = Field(gt=0)
-    heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
-    vocab: int = Field(gt=1)
-    layers: int = Field(default=2, gt=0)
-    B: int = Field(gt=0)
-    T: int = Field(gt=0)
+    hidden: Dim = Field(gt=0)
+    heads: Dim = Field(gt=0)
+    head_dim: Dim = Field(gt=0)
+    vocab: Dim = Field(gt=1)
+    layers: Dim = Field(default=2, gt=0)
+    B: Dim = Field(gt=0)
+    T: Dim = Field(gt=0)
     varlen: bool = False
-    context_len: int | None = Field(default=None, gt=0)
+    context_len: Dim | None = Field(default=None, gt=0)
     dtype: Literal["float32", "bfloat16"] = "bfloat16"  # the attention inputs' dtype (float32 on CPU)
     optimizer: Literal["adamw"] = "adamw"
-    lr: float = Field(default=1e-3, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    warmup_steps: int = Field(default=3, ge=1)  # untimed; the first of them gives the first-step loss
-    steps: int = Field(default=10, gt=0)  # timed optimizer steps per block
-    seed: int = 0
-    first_loss_rtol: float = Field(default=1e-3, ge=0)  # cross-side agreement of the first-step loss
+    lr: Finite = Field(default=1e-3, gt=0)
+    weight_decay: Finite = Field(default=0.0, ge=0)
+    warmup_steps: Count = Field(default=3, ge=1)  # untimed; the first of them gives the first-step loss
+    steps: Count = Field(default=10, gt=0)  # timed optimizer steps per block
+    seed: Seed = 0
+    first_loss_rtol: Finite = Field(default=1e-3, ge=0)  # cross-side agreement of the first-step loss
 
     @field_validator("name")
     @classmethod
@@ -483,7 +507,7 @@ class LowPrecision(Strict):
     float16/bfloat16 variants run only on CUDA: Triton's CPU interpreter computes them wrongly."""
 
     dtype: Literal["float16", "bfloat16", "float32"]
-    rel_l2: float = Field(gt=0, le=1)
+    rel_l2: Finite = Field(gt=0, le=1)
 
 
 class Fixtures(Strict):
@@ -493,8 +517,8 @@ class Fixtures(Strict):
     reference: str
     cases: list[str] = Field(min_length=1)  # names of shapes in `fixture_shapes`
     dtype: Literal["float32", "float64"] = "float32"
-    rtol: float = Field(gt=0)
-    atol: float = Field(ge=0)
+    rtol: Finite = Field(gt=0)
+    atol: Finite = Field(ge=0)
     low_precision: list[LowPrecision] = Field(default_factory=list)
 
     @field_validator("reference")
@@ -526,7 +550,7 @@ class Removable(Strict):
 
     name: str
     bytes: str  # expression over the profiled rows' dimension names (and tokens, NK, NT)
-    passes: int = Field(default=2, gt=0)  # 2 = written once, read once
+    passes: Count = Field(default=2, gt=0)  # 2 = written once, read once
 
     @field_validator("bytes")
     @classmethod
@@ -536,7 +560,7 @@ class Removable(Strict):
 
 class ProfileSpec(Strict):
     rows: list[str] = Field(min_length=1)
-    iters: int = Field(default=10, gt=0)
+    iters: Count = Field(default=10, gt=0)
     removable: list[Removable] = Field(default_factory=list)
 
 
@@ -550,7 +574,7 @@ class SlurmSpec(Strict):
     partition: str | None = None
     account: str | None = None
     constraint: str | None = None
-    gpus: int = Field(default=1, ge=0)
+    gpus: Annotated[int, Field(strict=True, ge=0, le=64)] = 1
     time: str = "01:00:00"
     exclusive: bool = False
 
@@ -567,17 +591,17 @@ class MeasureSpec(Strict):
     `samples_per_block`, `order`), kept as an option."""
 
     engine: Literal["lockstep", "blocks"] = "lockstep"
-    pairs: int = Field(default=3, ge=2, le=64)
-    max_pairs: int = Field(default=8, ge=2, le=64)
-    calls_per_burst: int = Field(default=5, ge=1, le=10_000)
-    min_rounds: int = Field(default=10, ge=1, le=100_000)
-    max_rounds: int = Field(default=60, ge=1, le=100_000)  # per pair, row and basis
-    target_half_width: float = Field(default=0.005, gt=0, lt=1)
-    row_budget_s: float = Field(default=120.0, gt=0, le=86_400)  # per row and gated basis
+    pairs: Count = Field(default=3, ge=2, le=64)
+    max_pairs: Count = Field(default=8, ge=2, le=64)
+    calls_per_burst: Count = Field(default=5, ge=1, le=10_000)
+    min_rounds: Count = Field(default=10, ge=1, le=100_000)
+    max_rounds: Count = Field(default=60, ge=1, le=100_000)  # per pair, row and basis
+    target_half_width: Finite = Field(default=0.005, gt=0, lt=1)
+    row_budget_s: Finite = Field(default=120.0, gt=0, le=86_400)  # per row and gated basis
     control: bool = True
     graph: bool = True  # try CUDA-graph capture of every row (eager only when false)
     eager: bool = True  # measure eager timing too where the primary basis is graph
-    secondary_rounds: int = Field(default=10, ge=1, le=100_000)  # rounds of a basis no gate reads
+    secondary_rounds: Count = Field(default=10, ge=1, le=100_000)  # rounds of a basis no gate reads
 
     @model_validator(mode="after")
     def _ordered(self) -> "MeasureSpec":
@@ -593,11 +617,11 @@ class CpuProfile(Strict):
 
     shapes: list[Shape] = Field(min_length=1)
     dtype: Literal["float32"] = "float32"
-    samples_per_block: int = Field(default=3, gt=0)
-    warmup: int = Field(default=1, ge=0)
-    blocks: int = Field(default=3, ge=3)
+    samples_per_block: Count = Field(default=3, gt=0)
+    warmup: Count = Field(default=1, ge=0)
+    blocks: BlockCount = Field(default=3, ge=3)
     training: list[TrainingRow] | None = None  # small rows under the same names as `training`
-    stage_iters: int = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
+    stage_iters: Count = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
     # the lockstep engine on a CPU (no GPU verdict either way): two pairs, one cycle of side orders
     # (two rounds; the A/A control would make a cycle six), one call a burst
     measure: MeasureSpec = Field(default_factory=lambda: MeasureSpec(
@@ -617,19 +641,19 @@ class Experiment(Strict):
     modes: list[Mode] = Field(min_length=1)
     shapes: list[Shape] = Field(min_length=1)
     dtype: Literal["float32", "float16", "bfloat16"] = "bfloat16"
-    seed: int = 0
-    blocks: int = Field(default=5, ge=3)
-    samples_per_block: int = Field(default=20, gt=0)
-    warmup: int = Field(default=3, ge=0)
+    seed: Seed = 0
+    blocks: BlockCount = Field(default=5, ge=3)
+    samples_per_block: Count = Field(default=20, gt=0)
+    warmup: Count = Field(default=3, ge=0)
     timing: Literal["cuda_events", "wall"] = "cuda_events"
     l2_flush: bool = True
     order: Literal["abba", "random"] = "abba"
     stages: dict[str, StagePatterns] = Field(default_factory=dict)
-    stage_iters: int = Field(default=5, ge=0)  # profiled calls per block for stage times (GPU)
+    stage_iters: Count = Field(default=5, ge=0)  # profiled calls per block for stage times (GPU)
     gates: list[Gate] = Field(min_length=1)
     training: list[TrainingRow] = Field(default_factory=list)
     frozen_paths: list[str] = Field(default_factory=list)
-    max_attempts: int = Field(default=3, gt=0)
+    max_attempts: Count = Field(default=3, gt=0)
     fixture_shapes: list[Shape] = Field(default_factory=list)
     fixtures: Fixtures | None = None
     profile: ProfileSpec | None = None
@@ -870,6 +894,11 @@ def _no_duplicates(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool =
 
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicates)
+# PyYAML reads YAML 1.1, where `1e-5` (an exponent without a dot) is a string; YAML 1.2 and every
+# reader of these files take it for the number it looks like. Numbers are strict in the schema, so
+# read it as a float (a quoted '1e-5' stays a string and is refused where a number belongs).
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
 
 
 def _repo_root(path: Path) -> Path:
@@ -891,12 +920,85 @@ def setup_error(loaded: "LoadedExperiment", *problems: tuple[str, str]) -> Setup
                                     for field, message in problems])
 
 
+# --- reading the YAML safely ------------------------------------------------------------------
+MAX_YAML_BYTES = 1 << 20  # an experiment file is a few KB
+MAX_YAML_DEPTH = 32  # nested mappings and lists
+MAX_YAML_VALUES = 100_000  # values once aliases are expanded (a YAML alias bomb grows exponentially)
+
+
+def _yaml_text(path: Path) -> str:
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise SpecError(path, [("", None, f"{size} bytes: an experiment file is at most {MAX_YAML_BYTES} bytes")])
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise SpecError(path, [("", line, f"not UTF-8 text (byte {e.start}): an experiment file is UTF-8 YAML")]) from None
+
+
+def _check_yaml_shape(text: str, path: Path) -> None:
+    """One pass over the parser's events, before anything is built from them (PyYAML's parser keeps
+    an explicit stack; its composer and constructor recurse, and expand aliases): refuse nesting
+    deeper than MAX_YAML_DEPTH, more than MAX_YAML_VALUES values with aliases expanded, and mapping
+    keys that are lists or mappings."""
+    def fail(event, msg: str):
+        raise SpecError(path, [("", event.start_mark.line + 1, msg)])
+
+    open_: list[list] = []  # per open collection: [anchor, expanded size, is a mapping, children so far]
+    anchors: dict[str, tuple[int, bool]] = {}  # anchor -> (expanded size, is a collection)
+    values = 0
+
+    def child(event, size: int, collection: bool) -> None:
+        """A value of `size` expanded values enters the innermost open collection."""
+        if open_:
+            parent = open_[-1]
+            if parent[2] and parent[3] % 2 == 0 and collection:
+                fail(event, "a mapping key must be a plain value, not a list or a mapping")
+            parent[1] += size
+            parent[3] += 1
+
+    def count(event, n: int) -> None:
+        nonlocal values
+        values += n
+        if values > MAX_YAML_VALUES:
+            fail(event, f"more than {MAX_YAML_VALUES} values once aliases are expanded (an alias bomb?)")
+
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.CollectionStartEvent):
+                if len(open_) >= MAX_YAML_DEPTH:
+                    fail(event, f"nested deeper than {MAX_YAML_DEPTH} levels")
+                if open_ and open_[-1][2] and open_[-1][3] % 2 == 0:
+                    fail(event, "a mapping key must be a plain value, not a list or a mapping")
+                open_.append([event.anchor, 1, isinstance(event, yaml.MappingStartEvent), 0])
+                count(event, 1)
+            elif isinstance(event, yaml.CollectionEndEvent):
+                anchor, size, _, _ = open_.pop()
+                if anchor:
+                    anchors[anchor] = (size, True)
+                child(event, size, collection=False)  # its key position was checked at its start
+            elif isinstance(event, yaml.ScalarEvent):
+                if event.anchor:
+                    anchors[event.anchor] = (1, False)
+                child(event, 1, collection=False)
+                count(event, 1)
+            elif isinstance(event, yaml.AliasEvent):
+                size, collection = anchors.get(event.anchor, (1, False))  # unknown: the composer says so
+                child(event, size, collection)
+                count(event, size)
+    except yaml.YAMLError:
+        return  # not valid YAML: load_experiment reports it with its line
+
+
 def load_experiment(path: str | Path) -> LoadedExperiment:
     """Parse and validate an experiment file; raise SpecError naming file, field and line."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(path, [("", None, "no such experiment file")])
-    text = path.read_text()
+    text = _yaml_text(path)
+    _check_yaml_shape(text, path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.load(text, Loader=_UniqueKeyLoader)
@@ -922,6 +1024,7 @@ def load_experiment(path: str | Path) -> LoadedExperiment:
             problems.append((_fmt_loc(loc), _line_for(loc, index), msg))
         raise SpecError(path, problems) from None
     loaded = LoadedExperiment(exp=exp, path=path.resolve(), root=_repo_root(path.resolve()))
+    _check_files_inside(loaded, index)  # before any of them is imported
     _check_against_inputs(loaded, index)
     _check_model_files(loaded, index)
     _check_files_beside(loaded, index)
@@ -967,6 +1070,40 @@ def _check_against_inputs(loaded: LoadedExperiment, index: dict[tuple, int]) -> 
             if why:
                 loc = tuple(field.split(".")) + (i,)
                 problems.append((f"{field}[{i}] ({shape.name})", _line_for(loc, index), f"the op cannot take this shape: {why}"))
+    if problems:
+        raise SpecError(loaded.path, problems)
+
+
+def outside_problem(loaded: LoadedExperiment, raw: str, resolved: Path) -> str | None:
+    """Why a file the experiment names by path (`raw`, resolved to `resolved`) may not be used: a
+    relative path must stay inside the experiment's folder or the target repository (symlinks
+    followed); a file elsewhere must be named by an explicit absolute path. None when it may."""
+    if Path(raw).is_absolute():
+        return None
+    bases = [loaded.path.parent.resolve(), loaded.target_repo]
+    if any(resolved.is_relative_to(b) for b in bases):
+        return None
+    return (f"{raw} resolves to {resolved}, outside the experiment's folder {bases[0]} and the target repository "
+            f"{bases[1]}; name a file elsewhere by its absolute path")
+
+
+def _check_files_inside(loaded: LoadedExperiment, index: dict[tuple, int]) -> None:
+    """Every file or folder the harness imports code from by a path the experiment gives (the inputs
+    factory, the reference adapter, training model files, the CPU profile's python_path): see
+    `outside_problem`."""
+    exp = loaded.exp
+    named = [(("target", "inputs"), exp.target.inputs, loaded.inputs_file)]
+    if loaded.reference_adapter is not None:
+        named.append((("fixtures", "reference"), exp.fixtures.reference, loaded.reference_adapter))
+    for group, rows in (("training", exp.training), ("cpu.training", (exp.cpu.training if exp.cpu else None) or [])):
+        named += [((*group.split("."), i, "model"), row.model, loaded.model_file(row)) for i, row in enumerate(rows)]
+    if exp.cpu is not None:
+        named += [(("cpu", "python_path", i), folder, loaded.beside(folder)) for i, folder in enumerate(exp.cpu.python_path)]
+    problems = []
+    for loc, value, resolved in named:
+        why = outside_problem(loaded, value.split(":")[0], resolved)
+        if why:
+            problems.append((_fmt_loc(loc), _line_for(loc, index), why))
     if problems:
         raise SpecError(loaded.path, problems)
 

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from harness import children
 from harness.bench import HARNESS_ROOT, side_env, side_op, training_job_row, triton_cache_dir
 from harness.spec import LoadedExperiment
 
@@ -79,8 +80,8 @@ def run_warm(loaded: LoadedExperiment, sides: list, profile_root: Path, jobs: in
         path.write_text(json.dumps(job))
         start = time.time()
         try:
-            p = subprocess.run([sys.executable, "-m", "harness.warm", str(path)], env=env, cwd=str(HARNESS_ROOT),
-                               capture_output=True, text=True, timeout=timeout)
+            p = children.run([sys.executable, "-m", "harness.warm", str(path)], env=env, cwd=str(HARNESS_ROOT),
+                             capture_output=True, text=True, timeout=timeout)
             rc, tail = p.returncode, (p.stdout + p.stderr)[-600:]
         except subprocess.TimeoutExpired:
             rc, tail = 124, f"timed out after {timeout:.0f} s"

@@ -215,6 +215,51 @@ def test_job_past_its_time_limit_is_timeout(temp_repo):
     print(f"timeout: {time.monotonic() - t0:.0f} s")
 
 
+# --- one writer per run, and a job that fails when the harness does --------------------------------
+
+def test_local_resume_while_the_job_runs_is_refused_naming_the_job(temp_repo):
+    from harness.runlock import holder_of
+    from test_children import sleepy_repo
+
+    repo = sleepy_repo(temp_repo)
+    exp = repo.experiment("held-by-job", "main", NO_GO_GATE, extra=CPU_SLURM, samples=2)
+    # the job inherits the submitting environment (sbatch --export=ALL): its op sleeps
+    res = subprocess.run([sys.executable, "-m", "harness", "submit", str(exp), *map(str, roots(repo))], cwd=repo.root,
+                         env={**os.environ, "PYTHONPATH": str(ROOT), "TEST_OP_SLEEP": "600"},
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    run_dir = Path(res.stdout.split(" -> ")[1].strip())
+    job_id = json.loads((run_dir / "slurm.json").read_text())["jobs"][-1]["job_ref"]
+    try:
+        deadline = time.monotonic() + 180
+        while not (holder_of(run_dir) or {}).get("slurm_job_id") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert holder_of(run_dir)["slurm_job_id"] == job_id, job_log(run_dir)
+        local = harness("run", exp, "--resume", "--run-id", run_dir.name, *roots(repo), cwd=repo.root)
+        assert local.returncode == 2, local.stdout + local.stderr
+        assert f"run {run_dir.name} belongs to Slurm job {job_id} (RUNNING); wait for it or `harness cancel " \
+               f"{run_dir}` first" in local.stderr
+        again = harness("submit", "--resume", run_dir.name, exp, *roots(repo), cwd=repo.root)
+        assert again.returncode == 2 and f"in Slurm job {job_id}" in again.stderr, again.stdout + again.stderr
+    finally:
+        harness("cancel", run_dir, "--wait", "30", cwd=repo.root, timeout=90)
+    st = wait_final(run_dir, limit=60)
+    assert st["slurm_state"] == "CANCELLED", st
+
+
+def test_job_fails_when_the_harness_fails_with_exit_4(temp_repo):
+    exp = temp_repo.experiment("broken-run", "main", NO_GO_GATE, extra=CPU_SLURM, samples=2)
+    run_dir = temp_repo.root / "profile" / "broken-run" / "runs" / "r-broken"
+    (run_dir / "samples.jsonl").mkdir(parents=True)  # a folder where the samples file belongs
+    [submitted] = submit(temp_repo, "--resume", "r-broken", exp)
+    assert submitted == run_dir
+    st = wait_final(run_dir, limit=300)
+    assert (st["slurm_state"], st["state"], st["exit_code"], st["harness_rc"]) == ("FAILED", "failed", 4, 4), st
+    log = job_log(run_dir)
+    assert f"harness error: Is a directory: {run_dir / 'samples.jsonl'}: a folder stands where a file belongs: " \
+           "move it away; then resume: harness run " in log and "Traceback" not in log, log
+
+
 # --- accounting on (slurmdbd): a cluster restart, last ---------------------------------------------
 
 def _restart(env_extra: dict) -> None:

@@ -261,3 +261,20 @@ def test_jobcomp_fallback_parses_key_value_lines(tmp_path, monkeypatch):
     assert st.state == "UNKNOWN" and "not ours" in st.reason
     st = S.query_state({"job_id": "99", "job_ref": "99", "last_state": {"state": "TIMEOUT", "run_state": "timeout"}})
     assert (st.state, st.source) == ("TIMEOUT", "cached")
+
+
+@pytest.mark.parametrize("harness_rc, job_rc", [(0, 0), (1, 0), (3, 0), (2, 2), (4, 4), (143, 143)])
+def test_rendered_job_succeeds_on_a_verdict_and_fails_on_bad_input_a_harness_error_or_a_signal(
+        tmp_path, harness_rc, job_rc):
+    """The real template run by bash, with a stand-in interpreter that exits `harness run` with the
+    given code: the job's own exit code is what Slurm judges it by (0 COMPLETED, else FAILED)."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/bash\n[ "$3" = run ] && exit "$HARNESS_RC"\nexit 0\n')
+    stand_in.chmod(0o755)
+    t = task(tmp_path)
+    t.run_dir.mkdir(parents=True)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(tmp_path, tasks=[t], python=str(stand_in)))
+    env = {"PATH": "/usr/bin:/bin", "HARNESS_RC": str(harness_rc)}
+    assert subprocess.run(["bash", str(script)], env=env, timeout=60).returncode == job_rc
+    assert f"harness: run exited {harness_rc}" in (t.run_dir / "slurm-local.out").read_text()

@@ -23,13 +23,15 @@ def run(args) -> int:
     from harness import fixtures
     from harness.cli import UsageError
     from harness.revisions import RevisionError, resolve
+    from harness.runlock import run_lock_if
 
     loaded = load_experiment(args.experiment)
     profile_root, _ = roots_from_args(args, loaded.path)
     try:
-        revisions = resolve(loaded, profile_root)
-        record = fixtures.freeze(loaded, revisions, profile_root, device=args.device, recheck=not args.reuse,
-                                 run_dir=args.run_dir)
+        with run_lock_if(args.run_dir, "harness freeze"):
+            revisions = resolve(loaded, profile_root)
+            record = fixtures.freeze(loaded, revisions, profile_root, device=args.device, recheck=not args.reuse,
+                                     run_dir=args.run_dir)
     except (fixtures.FreezeError, RevisionError) as e:
         raise UsageError(str(e)) from e
     print(f"{'PASS' if not record.terminal else 'TERMINAL NO-GO'}: {record.reason}")

@@ -1,29 +1,26 @@
 """`harness report EXP [--run RUN_ID] [--format table|md|junit] [--out FILE]`: a run's verdict.
 
 With an experiment file: rebuild report.json and index.html from the run's records (no GPU
-needed) in the run directory, copy both to <results>/reports/<name>/<run-id>/ and refresh
-<results>/reports/index.html (this repository's tracked reports/ is written by `harness publish`
+needed) in <results>/reports/<name>/<run-id>/ (never in the run folder, which a run in progress
+may hold) and refresh <results>/reports/index.html (this repository's tracked reports/ is written by `harness publish`
 only). With a report.json or a report directory instead (a committed report, whose records are
 not in git): re-render its index.html from report.json alone.
 Then print the verdict: the terminal table (default), a markdown comment to paste into an issue
 or pull request (`--format md`), or JUnit XML with one test case per gate (`--format junit`);
 `--out FILE` writes it to FILE instead of stdout.
-Exit code follows the verdict: 0 GO, 1 NO-GO, 3 INCONCLUSIVE (2 for bad input).
+Exit code follows the verdict: 0 GO, 1 NO-GO, 3 INCONCLUSIVE (2 bad input, 4 harness error).
 """
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
 from harness.cli import UsageError
+from harness.errors import VERDICT_EXIT
 from harness.formats import FORMATS
 from harness.results import PUBLISHED_REPORTS, add_results_arguments, roots_from_args
 from harness.spec import load_experiment
-
-VERDICT_EXIT = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
-
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="re-render a run's report and print its verdict (table, markdown or JUnit)")
@@ -45,9 +42,10 @@ def run_dirs(profile_root: Path, name: str) -> list[Path]:
 
     def started(d: Path) -> tuple[str, str]:
         try:
-            return (json.loads((d / "run.json").read_text()).get("started") or "", d.name)
-        except (OSError, json.JSONDecodeError):
+            run = json.loads((d / "run.json").read_bytes())
+        except (OSError, ValueError):  # a damaged run.json: its report says so
             return ("", d.name)
+        return (str(run.get("started") or "") if isinstance(run, dict) else "", d.name)
 
     return sorted(set(found), key=started)
 
@@ -66,17 +64,16 @@ def find_run_dir(profile_root: Path, name: str, run_id: str | None) -> Path:
 
 
 def publish(report: dict, run_dir: Path, reports_root: Path) -> Path:
-    """Write the report into the run dir, copy it to reports/<name>/<run-id>/, refresh the index."""
+    """Write the report to reports/<name>/<run-id>/ and refresh the index. Nothing is written into
+    the run folder: a run in progress holds it (harness/runlock.py), and a report may be rendered
+    from it meanwhile."""
     from harness import analyse
     from harness.report import render_index
 
-    analyse.write_report(report, run_dir)
     out = reports_root / report["experiment"]["name"] / run_dir.name
-    out.mkdir(parents=True, exist_ok=True)
-    for name in ("report.json", "index.html"):
-        shutil.copyfile(run_dir / name, out / name)
+    html = analyse.write_report(report, out)
     render_index(reports_root)
-    return out / "index.html"
+    return html
 
 
 def is_report_path(path: Path) -> bool:

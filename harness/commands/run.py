@@ -1,13 +1,16 @@
-"""`harness run EXP`: the whole protocol, resumable (`--resume`); exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE, 2 error."""
+"""`harness run EXP`: the whole protocol, resumable (`--resume`); exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE,
+2 bad input, 4 harness error (harness/errors.py)."""
 from __future__ import annotations
 
 
+from harness.attempts import clean_reason
 from harness.cli import UsageError
+from harness.errors import VERDICT_EXIT
 from harness.formats import print_verdict
 from harness.progress import make_progress
 from harness.revisions import RevisionError
 from harness.results import add_results_arguments, roots_from_args
-from harness.run import VERDICT_EXIT, RunError, RunOptions, run_experiment
+from harness.run import RunError, RunOptions, run_experiment
 from harness.spec import load_experiment
 
 
@@ -35,10 +38,13 @@ def add_parser(sub) -> None:
 
 
 def options(args) -> RunOptions:
-    opts = RunOptions(resume=args.resume, run_id=args.run_id, note=getattr(args, "note", ""),
-                      reopen=getattr(args, "reopen", None), force_cpu=args.cpu, aa=getattr(args, "aa", False),
-                      bench_only=getattr(args, "bench_only", False),
-                      measure_anyway=getattr(args, "measure_anyway", None))
+    def reason(name: str, default=None):  # stored in records and echoed to terminals: printable only
+        value = getattr(args, name, default)
+        return clean_reason(value) if value is not None else None
+
+    opts = RunOptions(resume=args.resume, run_id=args.run_id, note=reason("note", ""),
+                      reopen=reason("reopen"), force_cpu=args.cpu, aa=getattr(args, "aa", False),
+                      bench_only=getattr(args, "bench_only", False), measure_anyway=reason("measure_anyway"))
     opts.profile_root, opts.reports_root = roots_from_args(args, args.experiment)
     return opts
 

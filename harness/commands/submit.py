@@ -67,6 +67,7 @@ def run_dir_for(loaded, profile_root: Path, run_id: str, resume: bool) -> Path:
 
 def run(args) -> int:
     from harness.run import new_run_id
+    from harness.runlock import describe_holder, holder_of
 
     try:
         overrides = {f.name: getattr(args, f.name, None) for f in fields(S.JobParams)}
@@ -92,6 +93,10 @@ def run(args) -> int:
             if args.resume is not None:
                 run_id = args.resume
                 run_dir = run_dir_for(ld, profile_root, run_id, resume=True)
+                holder = holder_of(run_dir)
+                if holder is not None:
+                    raise UsageError(f"run {run_id} is being run by {describe_holder(holder)}; "
+                                     "a job would be refused its lock")
                 job = S.current_job(run_dir)
                 if job is not None:
                     st = S.query_state(job)

@@ -22,6 +22,7 @@ def run(args) -> int:
     from harness import fixtures, verify
     from harness.cli import UsageError
     from harness.revisions import RevisionError, resolve
+    from harness.runlock import run_lock
 
     loaded = load_experiment(args.experiment)
     profile_root, _ = roots_from_args(args, loaded.path)
@@ -43,7 +44,8 @@ def run(args) -> int:
         print()
     data = verify.verify_json(records, record)
     if args.run_dir is not None:
-        verify.write_verify(args.run_dir, records, record)
+        with run_lock(args.run_dir, "harness verify"):
+            verify.write_verify(args.run_dir, records, record)
         print(f"record: {args.run_dir / verify.VERIFY_FILE}")
     ok = all(g.get("status") == "PASS" for g in data["gates"].values())
     return 0 if ok else 1

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import jinja2
 
+from harness.errors import BadInput
 from harness.spec import SAFE_NAME, LoadedExperiment
 
 HARNESS_ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ RUN_STATE = {
 SLURM_TIMEOUT_S = 60  # every call to a Slurm client is bounded
 
 
-class SlurmError(Exception):
+class SlurmError(BadInput):
     """A Slurm command failed or a value is unsafe; the message names the argument."""
 
 
@@ -254,6 +255,27 @@ def read_json(path: Path) -> dict | None:
 def current_job(run_dir: Path) -> dict | None:
     rec = read_json(run_dir / "slurm.json")
     return rec["jobs"][-1] if rec and rec.get("jobs") else None
+
+
+def live_job_elsewhere(run_dir: Path) -> dict | None:
+    """{job_ref, state} of the run's current Slurm job while it is queued, running or suspended, unless
+    this process runs inside that very job; None otherwise, or when Slurm cannot be asked (a run
+    folder carried off the cluster: the run lock still keeps two writers apart)."""
+    job = current_job(run_dir)
+    if job is None:
+        return None
+    inside = {os.environ.get("SLURM_JOB_ID")}
+    if os.environ.get("SLURM_ARRAY_JOB_ID"):
+        inside.add(f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ.get('SLURM_ARRAY_TASK_ID')}")
+    if job.get("job_ref") in inside or (job.get("job_id") in inside and job.get("array_index") is None):
+        return None
+    try:
+        st = query_state(job)
+    except SlurmError:
+        return None
+    if st.run_state in ("queued", "running", "suspended"):
+        return {"job_ref": job["job_ref"], "state": st.state}
+    return None
 
 
 @dataclass

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from harness import stats
+from harness import children, stats
 from harness.measure import stopping
 from harness.measure.detail.channel import Channel, ChannelClosed, ChannelTimeout
 from harness.measure.detail.telemetry import throttled
@@ -98,12 +98,7 @@ class WorkerHandle:
 
     def kill(self) -> None:
         self.alive = False
-        if self.proc.poll() is None:
-            self.proc.kill()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
+        children.kill_group(self.proc)  # the worker and anything it started
         self.channel.close()
 
 
@@ -208,9 +203,9 @@ class Driver:
         env = self.side_env(self.loaded, declared, self.profile_root, self.settings.cpu_mode)
         env["PYTHONUNBUFFERED"] = "1"
         with log_path.open("w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "harness.measure.worker", str(job_path)], cwd=self.run_dir,
-                                    env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    pass_fds=(to_child_r, from_child_w))
+            # harness/children.py: killed with its process group on every way out of the harness
+            proc = children.start([sys.executable, "-m", "harness.measure.worker", str(job_path)], cwd=self.run_dir,
+                                  env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(to_child_r, from_child_w))
         os.close(to_child_r)
         os.close(from_child_w)
         return WorkerHandle(worker_id, pair, side, proc, Channel(from_child_r, to_child_w), log_path)

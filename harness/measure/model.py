@@ -25,7 +25,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+# Field types: the readers check every record against them (harness/records.py: record_model)
+from harness.records import Index, Ms, Name
+
+Finite = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 
 ENGINE = "lockstep"
 WORKER_SIDES = ("baseline", "candidate", "control")
@@ -51,18 +58,18 @@ class Record:
 @dataclass
 class MeasureStart(Record):
     TYPE = "measure_start"
-    attempt: str
-    engine: str
+    attempt: Name
+    engine: Name
     settings: dict
 
 
 @dataclass
 class WorkerStart(Record):
     TYPE = "worker_start"
-    attempt: str
-    worker: int
-    pair: int
-    side: str
+    attempt: Name
+    worker: Index
+    pair: Index
+    side: Name
     pid: int | None = None
     host: str | None = None
     t: str | None = None
@@ -73,9 +80,9 @@ class WorkerStart(Record):
 @dataclass
 class WorkerEnd(Record):
     TYPE = "worker_end"
-    attempt: str
-    worker: int
-    status: str  # ok | failed
+    attempt: Name
+    worker: Index
+    status: Literal["ok", "failed"]
     error: str | None = None
     t: str | None = None
     gpu: dict | None = None
@@ -88,10 +95,10 @@ class RowMethod(Record):
     there is no graph basis (None when there is)."""
 
     TYPE = "row_method"
-    attempt: str
-    shape: str
-    mode: str
-    primary: str
+    attempt: Name
+    shape: Name
+    mode: Name
+    primary: Name
     bases: list[str]
     graph_reason: str | None = None
     dims: dict = field(default_factory=dict)
@@ -100,15 +107,15 @@ class RowMethod(Record):
 @dataclass
 class Burst(Record):
     TYPE = "burst"
-    attempt: str
-    worker: int
-    pair: int
-    side: str
-    shape: str
-    mode: str
-    basis: str
-    round: int
-    ms: list[float]
+    attempt: Name
+    worker: Index
+    pair: Index
+    side: Name
+    shape: Name
+    mode: Name
+    basis: Name
+    round: Index
+    ms: Annotated[list[Ms], Field(min_length=1)]
     gpu: dict | None = None
     throttled: str | None = None  # why the burst's clock cannot be trusted (the round is left out), or None
 
@@ -116,12 +123,12 @@ class Burst(Record):
 @dataclass
 class RoundDone(Record):
     TYPE = "round"
-    attempt: str
-    pair: int
-    shape: str
-    mode: str
-    basis: str
-    round: int
+    attempt: Name
+    pair: Index
+    shape: Name
+    mode: Name
+    basis: Name
+    round: Index
 
 
 @dataclass
@@ -131,16 +138,16 @@ class RowEnd(Record):
     failed (too few workers left)."""
 
     TYPE = "row_end"
-    attempt: str
-    shape: str
-    mode: str
-    basis: str
-    reason: str
+    attempt: Name
+    shape: Name
+    mode: Name
+    basis: Name
+    reason: Name
     detail: str = ""
-    pairs: int = 0
-    rounds: int = 0
-    rel_half_width: float | None = None
-    seconds: float | None = None
+    pairs: Index = 0
+    rounds: Index = 0
+    rel_half_width: Finite | None = None
+    seconds: Ms | None = None
 
 
 RECORD_TYPES: dict[str, type[Record]] = {c.TYPE: c for c in (MeasureStart, WorkerStart, WorkerEnd, RowMethod, Burst,

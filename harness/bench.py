@@ -61,9 +61,10 @@ class BenchSettings:
         exp = loaded.exp
         training = tuple(exp.training)
         if cpu_mode:
-            small = {t.name: t for t in ((exp.cpu.training if exp.cpu is not None else None) or [])}
-            # the interpreter runs fp32 only
-            training = tuple(small.get(t.name, t).model_copy(update={"dtype": "float32"}) for t in training)
+            # a cpu profile that declares training rows trains those (small, under the names of the
+            # rows they stand in for) and no other; the interpreter runs fp32 only
+            small = exp.cpu.training if exp.cpu is not None and exp.cpu.training is not None else training
+            training = tuple(t.model_copy(update={"dtype": "float32"}) for t in small)
         if cpu_mode and exp.cpu is not None:
             c = exp.cpu
             return cls(list(c.shapes), c.dtype, c.blocks, c.samples_per_block, c.warmup, "wall", False, True,

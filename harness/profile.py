@@ -125,14 +125,15 @@ def build_job(loaded: LoadedExperiment, worktree: str, out_path: Path, cpu_mode:
     exp = loaded.exp
     shapes = profile_shapes(loaded, cpu_mode)
     _, inputs_fn = exp.target.inputs.split(":")
-    warmup = exp.cpu.warmup if (cpu_mode and exp.cpu is not None) else exp.warmup
+    cpu = exp.cpu if cpu_mode else None
     return {
         "out_path": str(out_path.resolve()), "worktree": worktree, "op": exp.baseline.op or exp.target.op,
         "inputs_file": str(loaded.inputs_file), "inputs_fn": inputs_fn,
         "rows": [(s.model_dump(exclude_none=True), m) for s in shapes for m in profile_modes(loaded)],
-        "dtype": "float32" if cpu_mode else exp.dtype, "seed": exp.seed, "warmup": warmup,
-        # on CPU the smoke test's sample count bounds the interpreter's cost
-        "iters": exp.cpu.samples_per_block if (cpu_mode and exp.cpu is not None) else exp.profile.iters,
+        "dtype": "float32" if cpu_mode else exp.dtype, "seed": exp.seed,
+        "warmup": cpu.warmup if cpu is not None else exp.warmup,
+        # on CPU each interpreted call costs seconds and shows no stage: the cpu profile's count
+        "iters": cpu.profile_iters if cpu is not None else exp.profile.iters,
         "timing": "wall" if cpu_mode else exp.timing,
         "l2_flush": exp.l2_flush and not cpu_mode,
         "stage_patterns": {name: list(p.baseline) for name, p in exp.stages.items()},

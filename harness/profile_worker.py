@@ -41,7 +41,7 @@ import torch
 
 from harness.device import device_info, versions
 from harness.kernel_profile import OverlapError, attribute, profile_calls  # noqa: F401 (re-exported for tests)
-from harness.worker import _DTYPES, Call, Timer, _load_inputs, _load_op
+from harness.worker import _DTYPES, Call, Timer, _load_inputs, _load_op, warmup_calls
 
 
 def summarise(calls: list[list[tuple[str, float, str | None]]], stages: list[str]) -> dict:
@@ -119,7 +119,7 @@ def run_profile(job: dict) -> dict:
             row: dict = {"shape": shape["name"], "mode": mode, "shape_dims": shape}
             try:
                 call = Call(op, make_inputs(shape, mode, dtype, device, job["seed"]), mode, job["seed"])
-                for _ in range(max(1, job["warmup"])):
+                for _ in range(warmup_calls(job["warmup"])):
                     call()
                 timer.sync()
                 row["endpoint_samples_ms"] = [timer.time_ms(call) for _ in range(job["iters"])]

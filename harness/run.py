@@ -273,7 +273,8 @@ def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
         log(f"experiment is terminally NO-GO: {state.get('reason')}")
         return f"terminal NO-GO: {state.get('reason')}"
     if not (run_dir / "verify.json").exists():
-        record = fixtures.freeze(loaded, revisions, opts.profile_root, log=log)
+        # a CPU run (--cpu on a GPU machine too) freezes and checks the CPU oracle, at its stand-in dims
+        record = fixtures.freeze(loaded, revisions, opts.profile_root, log=log, device="cpu" if cpu_mode else None)
         if record.terminal:
             return f"red baseline: {record.reason}"
         verify.verify_run(loaded, revisions, record, run_dir, cpu_mode=cpu_mode, log=log)

@@ -616,12 +616,20 @@ class CpuProfile(Strict):
     """What the same command runs on a machine without a GPU: a small fp32 smoke test."""
 
     shapes: list[Shape] = Field(min_length=1)
+    # the fixture cases of a CPU freeze at tiny dims, under names from `fixture_shapes` (under the
+    # interpreter a GPU-sized case costs seconds per call, and freeze and verify make eight calls a
+    # case); a case without one runs at its declared shape. Only the CPU oracle (bench-base/<name>-cpu)
+    # is frozen at these dims: the GPU's never meets them
+    fixture_shapes: list[Shape] = Field(default_factory=list)
     dtype: Literal["float32"] = "float32"
     samples_per_block: Count = Field(default=3, gt=0)
-    warmup: Count = Field(default=1, ge=0)
+    # untimed calls before a row is measured or profiled: 0 by default, since the interpreter compiles
+    # and tunes nothing (the first timed call's outputs still get the finite check)
+    warmup: Count = Field(default=0, ge=0)
     blocks: BlockCount = Field(default=3, ge=3)
-    training: list[TrainingRow] | None = None  # small rows under the same names as `training`
+    training: list[TrainingRow] | None = None  # small rows under names from `training`: a CPU run trains only these
     stage_iters: Count = Field(default=0, ge=0)  # Triton kernels are invisible to the CPU profiler
+    profile_iters: Count = Field(default=1, gt=0)  # timed and profiled calls per profile row (stages invisible too)
     # the lockstep engine on a CPU (no GPU verdict either way): two pairs, one cycle of side orders
     # (two rounds; the A/A control would make a cycle six), one call a burst
     measure: MeasureSpec = Field(default_factory=lambda: MeasureSpec(
@@ -776,6 +784,13 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
         if missing:
             out.append(("cpu.training", f"names {missing}, not in training {sorted(train_names)} "
                         "(a CPU row stands in for the training row of the same name)"))
+    if exp.cpu is not None and exp.cpu.fixture_shapes:
+        names = [s.name for s in exp.cpu.fixture_shapes]
+        declared = {s.name for s in exp.fixture_shapes}
+        missing = [n for n in names if n not in declared]
+        if missing or len(set(names)) != len(names):
+            out.append(("cpu.fixture_shapes", f"names {names} must be unique names from fixture_shapes "
+                        f"{sorted(declared)} (a CPU case stands in for the fixture case of the same name)"))
     if exp.baseline.is_package:
         for section in ("fixtures", "profile"):
             if getattr(exp, section) is not None:
@@ -1060,7 +1075,7 @@ def _check_against_inputs(loaded: LoadedExperiment, index: dict[tuple, int]) -> 
     problems = []
     groups = [("shapes", loaded.exp.shapes), ("fixture_shapes", loaded.exp.fixture_shapes)]
     if loaded.exp.cpu is not None:
-        groups.append(("cpu.shapes", loaded.exp.cpu.shapes))
+        groups += [("cpu.shapes", loaded.exp.cpu.shapes), ("cpu.fixture_shapes", loaded.exp.cpu.fixture_shapes)]
     for field, shapes in groups:
         for i, shape in enumerate(shapes):
             try:

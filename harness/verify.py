@@ -193,7 +193,7 @@ def verify_side(loaded: LoadedExperiment, revisions: Revisions, freeze_record, s
     if branch_now != frec.bench_base_sha:
         frozen_problems.append(f"branch {branch} moved from {frec.bench_base_sha[:12]} to "
                                f"{(branch_now or 'nothing')[:12]}")
-    rec.contract_changes = fx.contract_changes(loaded, manifest)
+    rec.contract_changes = fx.contract_changes(loaded, manifest, frec.device)
     frozen_problems += [f"experiment file changed the frozen oracle: {c}" for c in rec.contract_changes]
 
     rec.frozen_paths = check_frozen_paths(repo, rs.sha, rs.worktree, manifest)
@@ -295,10 +295,14 @@ def write_verify(run_dir: Path, records: list[VerifyRecord], freeze_record) -> d
 
 def verify_run(loaded: LoadedExperiment, revisions: Revisions, freeze_record, run_dir: Path, cpu_mode: bool = False,
                log: Callable[[str], None] = print, sides: tuple[str, ...] = SIDES, profile_root=None) -> dict:
-    """Both sides (or `sides`) against the oracle; writes run_dir/verify.json and returns it."""
-    device = "cpu" if cpu_mode else None
-    records = [verify_side(loaded, revisions, freeze_record, side, device=device, log=log, profile_root=profile_root)
-               for side in sides]
+    """Both sides (or `sides`) against the oracle, `fx.workers_at_once` at a time; writes
+    run_dir/verify.json and returns it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = "cpu" if cpu_mode else fx._default_device()
+    with ThreadPoolExecutor(max_workers=fx.workers_at_once(device)) as pool:
+        records = list(pool.map(lambda side: verify_side(loaded, revisions, freeze_record, side, device=device, log=log,
+                                                         profile_root=profile_root), sides))
     return write_verify(run_dir, records, freeze_record)
 
 

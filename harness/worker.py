@@ -98,6 +98,21 @@ class Call:
         return outs + [g for g in grads if g is not None]
 
 
+def warmup_calls(declared: int) -> int:
+    """Untimed calls before a row is timed or profiled: at least one on a GPU (compiling, autotuning
+    and graph capture must never be timed), as declared on a CPU, where Triton's interpreter compiles
+    and tunes nothing and a call costs seconds (0 there skips the warm-up; see check_finite)."""
+    return max(1, declared) if torch.cuda.is_available() else declared
+
+
+def check_finite(outs: list[torch.Tensor]) -> None:
+    """FloatingPointError naming the op's outputs (and gradients) that hold NaN or inf: a row that
+    computes garbage is never timed as if it were a result."""
+    bad = [i for i, t in enumerate(outs) if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise FloatingPointError(f"non-finite values in output(s) {bad}")
+
+
 class Timer:
     """CUDA events around each call with an L2 flush before it; perf_counter on CPU."""
 
@@ -179,9 +194,7 @@ def run_block(job: dict) -> int:
                 for _ in range(max(1, job["warmup"])):
                     outs = call()
                 timer.sync()
-                bad = [i for i, t in enumerate(outs) if t.is_floating_point() and not torch.isfinite(t).all()]
-                if bad:
-                    raise FloatingPointError(f"non-finite values in output(s) {bad}")
+                check_finite(outs)
             except Exception as e:  # recorded, and the block goes on with the other rows
                 broken[(shape["name"], mode)] = f"{type(e).__name__}: {e}"
                 emit("failure", shape=shape["name"], mode=mode, error=broken[(shape["name"], mode)],

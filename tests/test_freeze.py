@@ -231,3 +231,39 @@ def test_freeze_and_verify_commands_write_under_the_results_root(tmp_path, monke
     assert main(["verify", path, "--device", "cpu", "--side", "candidate"]) == 0, capsys.readouterr()
     out = capsys.readouterr().out
     assert "gate correctness: PASS" in out and f"record: {tmp_path / 'res' / 'profile' / 'toy' / 'freeze.json'}" in out
+
+
+def test_a_cpu_freeze_and_verify_run_the_cpu_profiles_stand_in_cases(tmp_path):
+    """cpu.fixture_shapes: a CPU freeze (bench-base/<name>-cpu) runs and freezes the stand-in of a case
+    (the other case as declared), verify checks both sides against it at those dims, and the GPU
+    oracle's contract keeps the declared shapes."""
+    from harness import verify
+    from harness.spec import load_experiment
+
+    r = OracleRepo(tmp_path)
+    path = r.experiment().path
+    path.write_text(path.read_text() + "cpu:\n  shapes: [{name: s1, B: 1, T: 2, H: 1, K: 4, V: 3}]\n"
+                                       "  fixture_shapes: [{name: ragged, seqlens: [2, 0, 1], H: 1, K: 4, V: 2}]\n")
+    loaded = load_experiment(path)
+    assert [c["shape"] for c in fixtures.cases_for(loaded, "cpu")] == [
+        {"name": "dense", "B": 2, "T": 5, "H": 1, "K": 4, "V": 3},
+        {"name": "ragged", "seqlens": [2, 0, 1], "H": 1, "K": 4, "V": 2}]
+    assert fixtures.cases_for(loaded, "cuda")[1]["shape"]["seqlens"] == [3, 0, 4]
+    lines: list[str] = []
+    revisions = r.resolve(loaded)
+    rec = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=lines.append)
+    assert rec.status == "PASS" and rec.bench_base_branch == "bench-base/toy-cpu", rec.failures
+    ragged = rec.manifest["cases"][1]
+    assert ragged["shape"]["seqlens"] == [2, 0, 1] and ragged["tensors"]["in.kwargs.x"]["shape"] == [1, 3, 4]
+    assert ragged["tensors"]["out.0"]["shape"] == [1, 3, 2]
+    # both baseline-gate runs at once on a CPU, the dims each case ran at in the log
+    assert any(line.startswith("freeze: baseline gate runs 1 and 2 at once on ") and
+               "dense B2 T5 H1 K4 V3; ragged seqlens[2, 0, 1] H1 K4 V2" in line for line in lines), lines
+    assert fixtures.contract_changes(loaded, rec.manifest, "cpu") == []
+    [change] = fixtures.contract_changes(loaded, rec.manifest, "cuda")
+    assert change.startswith("cases: frozen") and "[3, 0, 4]" in change
+    data = verify.verify_run(loaded, revisions, rec, tmp_path / "run", cpu_mode=True, log=quiet)
+    assert {k: g["status"] for k, g in data["gates"].items()} == {"correctness": "PASS", "frozen_paths": "PASS"}
+    for side in ("baseline", "candidate"):
+        checked = {(c["case"], c["mode"]) for c in data["sides"][side]["cases"] if c["status"] == "PASS"}
+        assert checked == {(n, m) for n in ("dense", "ragged") for m in ("fwd", "fwdbwd")}, data["sides"][side]["cases"]

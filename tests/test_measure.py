@@ -267,3 +267,48 @@ def test_which_bursts_are_left_out_for_the_clock():
     # thermal and hardware slowdowns are left out whatever the clock reads
     assert "hw_thermal_slowdown" in throttled({**top, "sm_clock_mhz": 1900,
                                                "throttle_reasons": ["sw_power_cap", "hw_thermal_slowdown"]})
+
+
+COUNTING_OP = '''\
+CALLS = 0
+
+
+def op(x):
+    global CALLS
+    CALLS += 1
+    return x / (x.numel() - 3)  # NaN and inf at 3 elements
+'''
+
+
+def test_without_warm_up_on_a_cpu_the_first_timed_call_is_checked(tmp_path, monkeypatch):
+    """A cpu profile's warmup: 0 (the interpreter compiles nothing): preparing a row calls nothing,
+    and the first timed call's outputs get the finite check a warm-up call would have had, so a row
+    that computes NaN is an error, never data; with a warm-up the check comes before any timing."""
+    import torch
+
+    from harness.measure.model import WorkerJob
+    from harness.measure.worker import SideWorker
+
+    (tmp_path / "wt").mkdir()
+    (tmp_path / "wt" / "counting_op.py").write_text(COUNTING_OP)
+    (tmp_path / "inputs.py").write_text(INPUTS)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "counting_op", raising=False)
+    threads = torch.get_num_threads()  # a CPU worker runs on one thread
+    try:
+        worker = SideWorker(WorkerJob(0, 0, "baseline", str(tmp_path / "wt"), "counting_op:op", None,
+                                      str(tmp_path / "inputs.py"), "make_inputs", "float32", 0, 0, False, {}))
+        op = sys.modules["counting_op"]
+        worker.prepare({"name": "ok", "T": 4}, "fwd", graph=False)
+        assert op.CALLS == 0
+        assert len(worker.burst("ok", "fwd", "eager", 2)["ms"]) == 2 and op.CALLS == 2
+        worker.prepare({"name": "nan", "T": 3}, "fwd", graph=False)
+        with pytest.raises(FloatingPointError, match=r"non-finite values in output\(s\) \[0\]"):
+            worker.burst("nan", "fwd", "eager", 1)
+        assert op.CALLS == 3
+        worker.job.warmup = 1
+        with pytest.raises(FloatingPointError, match="non-finite"):
+            worker.prepare({"name": "nan", "T": 3}, "fwd", graph=False)
+        assert op.CALLS == 4
+    finally:
+        torch.set_num_threads(threads)

@@ -188,3 +188,29 @@ def test_free_form_problems_name_their_field(tmp_path, old, new, field, problem)
 def test_a_shape_problem_that_raises_is_named(tmp_path):
     msg = errors(tmp_path, GOOD.replace("{name: dense, B: 2, T: 128, H: 2, K: 64, V: 64}", "{name: dense, M: 2}"))
     assert "shapes[0] (dense)" in msg and "shape_problem raised KeyError: 'K'" in msg, msg
+
+
+CPU_FIXTURES = FREE_DIMS + """\
+cpu:
+  shapes: [{name: wide, M: 8, N: 4, D: 2}]
+  fixture_shapes: [{name: tiny, M: 2, N: 1, D: 1}]
+"""
+
+
+@pytest.mark.parametrize("old,new,problem", [
+    ("fixture_shapes: [{name: tiny, M: 2", "fixture_shapes: [{name: small, M: 2",
+     "names ['small'] must be unique names from fixture_shapes ['tiny']"),
+    ("fixture_shapes: [{name: tiny, M: 2, N: 1, D: 1}]", "fixture_shapes: [{name: tiny, M: 2, N: 1, D: 1}, {name: tiny, M: 1, N: 1, D: 1}]",
+     "names ['tiny', 'tiny'] must be unique"),
+    ("fixture_shapes: [{name: tiny, M: 2, N: 1, D: 1}]", "fixture_shapes: [{name: tiny, M: 2, N: 1}]",
+     "cpu.fixture_shapes[0] (tiny)"),  # the inputs factory cannot take it: named like any shape
+])
+def test_cpu_fixture_stand_ins_name_declared_cases(tmp_path, old, new, problem):
+    loaded = load_experiment(write_free(tmp_path, CPU_FIXTURES))
+    assert loaded.exp.cpu.fixture_shapes[0].dims == {"M": 2, "N": 1, "D": 1}
+    assert (loaded.exp.cpu.warmup, loaded.exp.cpu.profile_iters) == (0, 1)  # the CPU defaults
+    text = CPU_FIXTURES.replace(old, new)
+    assert text != CPU_FIXTURES
+    with pytest.raises(SpecError) as e:
+        load_experiment(write_free(tmp_path, text))
+    assert "cpu.fixture_shapes" in str(e.value) and problem in str(e.value), str(e.value)

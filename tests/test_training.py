@@ -93,14 +93,20 @@ def test_spec_training_rows_and_cross_references():
         Experiment.model_validate(exp_dict(cpu=cpu))
 
 
-def test_cpu_settings_take_the_cpu_rows_of_the_same_name_in_fp32(tmp_path):
-    cpu = {"shapes": [{"name": "s", "B": 1, "T": 64, "H": 1, "K": 64, "V": 64}], "training": [{**ROW, "T": 32}]}
-    exp = Experiment.model_validate(exp_dict(cpu=cpu))
+def test_cpu_settings_train_the_cpu_rows_only_in_fp32(tmp_path):
+    """A cpu profile's training rows stand in for the rows of the same names, and a CPU run trains
+    only those (a row left out would run GPU-sized under the interpreter); without any, the declared
+    rows, in fp32."""
+    shapes = [{"name": "s", "B": 1, "T": 64, "H": 1, "K": 64, "V": 64}]
+    exp = Experiment.model_validate(exp_dict(cpu={"shapes": shapes, "training": [{**ROW, "T": 32}]}))
     loaded = type("L", (), {"exp": exp})()
     gpu, cpu_s = BenchSettings.for_machine(loaded, False), BenchSettings.for_machine(loaded, True)
     assert [(t.name, t.T, t.dtype) for t in gpu.training] == [("dense", 64, "bfloat16"), ("varlen", 64, "bfloat16")]
-    assert [(t.name, t.T, t.dtype) for t in cpu_s.training] == [("dense", 32, "float32"), ("varlen", 64, "float32")]
+    assert [(t.name, t.T, t.dtype) for t in cpu_s.training] == [("dense", 32, "float32")]
     assert cpu_s.to_json()["training"][0]["T"] == 32
+    plain = type("L", (), {"exp": Experiment.model_validate(exp_dict(cpu={"shapes": shapes}))})()
+    assert [(t.name, t.T, t.dtype) for t in BenchSettings.for_machine(plain, True).training] == [
+        ("dense", 64, "float32"), ("varlen", 64, "float32")]
 
 
 def test_missing_model_file_is_a_spec_error(tmp_path):
@@ -252,3 +258,4 @@ def test_harness_run_with_training_rows_reports_them(temp_repo):
     assert gate["numbers"]["first_loss_status"] == "PASS"
     assert set(gate["numbers"]["rows"]) == {"dense", "varlen"}
     assert 'id="training-table"' in html and 'id="training-speedup-table"' in html and "varlen" in html
+    assert html.count("ran at B1 T64, 2 layers, hidden 64, 1x64 heads") == 2 * 3  # each row, both tables

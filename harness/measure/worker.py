@@ -8,8 +8,9 @@ harness never from the worktree. The worker writes nothing to the run's records:
 command on its channel, and the driver, the run's only writer, records the answer.
 
 Commands (one JSON object each; every reply has "ok", and "error"/"trace" when not ok):
-    prepare      {shape, mode, graph}  build the row's inputs, warm it (compile, autotune), capture it
-                                       as a CUDA graph when asked and possible -> {graph, graph_reason, warm_s}
+    prepare      {shape, mode, graph}  build the row's inputs, warm it (compile, autotune; on a CPU only
+                                       as many calls as declared), capture it as a CUDA graph when asked
+                                       and possible -> {graph, graph_reason, warm_s}
     burst        {shape, mode, basis, calls}  time `calls` calls -> {ms, gpu}
     release      {shape, mode, what}   free the row's graph ("graph") or all its state ("all")
     extras       {shape, mode, peak, stage_iters}  peak allocation of one eager call and `stage_iters`
@@ -37,13 +38,14 @@ from harness.measure.detail.timing import L2Flush, capture, time_burst
 from harness.measure.model import WorkerJob
 from harness.device import gpu_snapshot
 from harness.kernel_profile import profile_calls
-from harness.worker import _DTYPES, Call, _load_inputs, _load_op, peak_bytes
+from harness.worker import _DTYPES, Call, _load_inputs, _load_op, check_finite, peak_bytes, warmup_calls
 
 
 class RowState:
-    def __init__(self, call: Call):
+    def __init__(self, call: Call, checked: bool):
         self.call = call
         self.graph = None
+        self.checked = checked  # whether a call's outputs passed check_finite (the first burst's, without warm-up)
 
 
 def _die_with_parent() -> None:
@@ -101,15 +103,15 @@ class SideWorker:
         inputs = self.make_inputs(shape, mode, self.dtype, self.device, self.job.seed)
         call = Call(self.op, inputs, mode, self.job.seed)
         outs = None
-        for _ in range(max(1, self.job.warmup)):
+        warm = warmup_calls(self.job.warmup)
+        for _ in range(warm):
             outs = call()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        bad = [i for i, t in enumerate(outs) if t.is_floating_point() and not torch.isfinite(t).all()]
-        if bad:
-            raise FloatingPointError(f"non-finite values in output(s) {bad}")
+        if warm:
+            check_finite(outs)
         outs = None
-        state = self.rows[key] = RowState(call)
+        state = self.rows[key] = RowState(call, checked=warm > 0)
         reason = "not asked (measure.graph: false)" if not graph else None
         if graph:
             state.graph, reason = capture(call)
@@ -121,7 +123,15 @@ class SideWorker:
         fn = state.graph if basis == "graph" else state.call
         if fn is None:
             raise RuntimeError(f"row {shape}/{mode} has no graph on this worker")
-        ms = time_burst(fn, calls, self.flush)
+        if state.checked:
+            ms = time_burst(fn, calls, self.flush)
+        else:
+            # no warm-up call ran (a CPU profile's warmup: 0): the first timed call's outputs are kept
+            # for the finite check after the burst; failing it makes the burst an error, never data
+            kept: list = []
+            ms = time_burst(lambda: fn() if kept else kept.append(fn()), calls, self.flush)
+            check_finite(kept[0])
+            state.checked = True
         return {"ms": ms, "gpu": self.telemetry.read()}
 
     def release(self, shape: str, mode: str, what: str) -> dict:

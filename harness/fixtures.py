@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable
 
 from harness import attempts, children
+from harness.errors import BadInput
 from harness.revisions import Revisions, open_repo
 from harness.spec import LoadedExperiment, PytestGate, setup_error
 
@@ -48,8 +49,9 @@ FREEZE_FILE = "freeze.json"
 ZERO_SHA = "0" * 40
 
 
-class FreezeError(Exception):
-    """Freeze cannot proceed (missing frozen path, git failure, BENCH_BASE would move)."""
+class FreezeError(BadInput):
+    """Freeze cannot proceed (missing frozen path, git failure, BENCH_BASE would move): state the user
+    settles (exit 2, never a verdict)."""
 
 
 def _now() -> str:
@@ -509,7 +511,9 @@ def commit_bench_base(repo: Path, exp_name: str, baseline_sha: str, fixture_dir:
             old = {}
         diff = _diff_manifests(old, manifest)
         raise FreezeError(f"BENCH_BASE branch {branch} already exists at {existing[:12]} with different content; "
-                          f"refusing to move it (immutable). Differences: " + "; ".join(diff[:8]))
+                          f"refusing to move it (immutable). Differences: " + "; ".join(diff[:8]) +
+                          f". If the oracle's definition changed on purpose, give the experiment a new name, "
+                          f"or delete the old oracle (git -C {repo} branch -D {branch}) and freeze again")
     message = (f"bench-base({exp_name}): frozen oracle fixtures\n\nbaseline {baseline_sha}\n"
                f"manifest sha256 {sha256_bytes(manifest_bytes(manifest))}\n"
                f"cases {', '.join(c['name'] for c in manifest['cases'])}; dtype {manifest['dtype']}; "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -216,7 +217,13 @@ class Driver:
         for _ in range(n):
             pid = self.next_pair
             self.next_pair += 1
-            new.append(Pair(pid, [self._spawn(pid, side) for side in self.sides]))
+            # each pair's sides start in a random order (worker ids, given at spawn, record it): a
+            # process started first or last in every pair would carry any start-order effect (CUDA
+            # context and allocation placement) into every pair alike, a bias no number of pairs
+            # averages out; drawn at random it is one more per-pair offset the interval pays for
+            order = random.sample(range(len(self.sides)), len(self.sides))
+            started = {i: self._spawn(pid, self.sides[i]) for i in order}
+            new.append(Pair(pid, [started[i] for i in range(len(self.sides))]))
         first_error: dict[str, tuple[str, Path]] = {}  # side -> (why its first worker did not start, its log)
         for pair in new:
             for w in pair.workers:

@@ -80,6 +80,28 @@ def test_refuses_to_move_bench_base(tmp_path_factory):
     assert git(r.repo, "rev-parse", "refs/heads/bench-base/toy-cpu") == rec.bench_base_sha
 
 
+def test_run_against_a_bench_base_of_other_content_is_bad_input_saying_how_to_settle_it(tmp_path, capsys):
+    """An oracle branch frozen from another definition is the user's to settle: exit 2 naming the
+    branch and how to delete it, never a harness error (4) or a verdict; the branch stays."""
+    r = OracleRepo(tmp_path / "own")  # its own repository: the shared frozen one's branch never moves
+    loaded = r.experiment()
+    rec = fixtures.freeze(loaded, r.resolve(loaded), r.profile, device="cpu", recheck=True, log=quiet)
+    from pathlib import Path
+
+    fixture_dir = Path(rec.artifacts) / "run1" / "fixtures"
+    git(r.repo, "branch", "-D", "bench-base/toy-cpu")
+    other, _ = fixtures.commit_bench_base(r.repo, "toy", r.baseline, fixture_dir, {**rec.manifest, "rtol": 1e-2},
+                                          log=quiet, device="cpu")
+    fresh = r.profile.parent / "fresh"
+    rc = main(["run", str(loaded.path), "--profile-root", str(fresh / "profile"), "--reports-root",
+               str(fresh / "reports"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "bench-base/toy-cpu" in err and "branch -D bench-base/toy-cpu" in err and "rtol" in err, err
+    assert git(r.repo, "rev-parse", "refs/heads/bench-base/toy-cpu") == other
+    assert not (fresh / "reports").exists() or not list((fresh / "reports").rglob("report.json"))  # no verdict
+
+
 def test_missing_frozen_path_is_an_error_naming_it(tmp_path_factory):
     r, loaded, revisions, rec = frozen(tmp_path_factory)
     exp = loaded.exp.model_copy(update={"frozen_paths": ["ref.py", "kernels/missing.py"]})

@@ -480,7 +480,7 @@ class Driver:
             bad = bad or why
             bursts[w.side] = reply["ms"]
             self.write(Burst(self.attempt, w.id, pair.id, w.side, row.key[0], row.mode, basis, index,
-                             reply["ms"], reply.get("gpu"), why))
+                             reply["ms"], reply.get("gpu"), why, reply.get("enqueue_us")))
         self.write(RoundDone(self.attempt, pair.id, row.key[0], row.mode, basis, index))
         if bad is None:
             series.add(pair.id, stats.Round(**{ROUND_FIELD[s]: ms for s, ms in bursts.items()}))

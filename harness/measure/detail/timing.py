@@ -4,7 +4,12 @@ Both methods time every call with a pair of CUDA events around it and wait for i
 next (perf_counter around a synchronised call on a CPU): each call starts from an idle device with
 a cold L2, as the first engine did. Eager includes the host's launch time wherever the device waits
 for it (that is real for users, and noisy: on the H200 a launch-bound row's eager medians moved up to
-38% between processes); graph replay is one launch, so it is device time without host noise.
+38% between processes). Graph replay is one launch, and it is preceded by a hold: a kernel that
+spins on the device for HOLD_CYCLES while the host enqueues the flush, the start event and the
+replay, so the device never waits for the host between the start event and the graph's first
+kernel and the graph basis is device time only (nvbench's blocking kernel does the same; without
+it a slow host enqueue in one process reads as that process's kernels being slower). Every burst
+also reports how long the host took to enqueue its slowest call, so a hold too short shows.
 """
 from __future__ import annotations
 
@@ -28,23 +33,35 @@ class L2Flush:
             self.buf.zero_()
 
 
-def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush) -> list[float]:
-    """Milliseconds of each of `calls` calls of fn."""
+# ~0.2 ms at the H200's 1980 MHz boost, ~0.3 ms power-capped at 1300 MHz: a graph replay's host
+# enqueue (flush, event, cudaGraphLaunch) measured well under that; `enqueue_us` shows when it was not
+HOLD_CYCLES = 400_000
+
+
+def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush, hold: bool = False) -> tuple[list[float], float]:
+    """(milliseconds of each of `calls` calls of fn, the slowest call's host enqueue time in
+    microseconds: from before the hold/flush is enqueued to after the end event is). With `hold`
+    the device spins for HOLD_CYCLES first (see the module's docstring)."""
     out = []
+    enqueue = 0.0
     if torch.cuda.is_available():
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
         for start, end in events:
+            t0 = time.perf_counter()
+            if hold:
+                torch.cuda._sleep(HOLD_CYCLES)
             flush()
             start.record()
             fn()
             end.record()
+            enqueue = max(enqueue, (time.perf_counter() - t0) * 1e6)
             end.synchronize()
-        return [start.elapsed_time(end) for start, end in events]
+        return [start.elapsed_time(end) for start, end in events], enqueue
     for _ in range(calls):
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
-    return out
+    return out, enqueue
 
 
 def _first_line(e: BaseException) -> str:

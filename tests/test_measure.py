@@ -137,6 +137,25 @@ def test_stopping_resolved_budget_rounds_pairs_limit():
     assert d.stop == "limit"
 
 
+def test_pairs_that_fit_in_device_memory():
+    """A row's pairs hold it at once: those whose workers do not fit in the device's free memory
+    (less the headroom) are left out of it, in order, and the reason names the sizes."""
+    from harness.measure.driver import MEMORY_HEADROOM, pairs_that_fit
+
+    gib = 2**30
+    total = 140 * gib
+    headroom = MEMORY_HEADROOM * total
+    free = int(headroom + 5 * 11 * gib)  # room for exactly 5 workers of 11 GiB
+    fit, why = pairs_that_fit([(0, 1), (1, 3), (2, 3), (3, 3)], {"free": free, "total": total}, 11 * gib)
+    assert fit == {0, 1} and "11.0 GiB a worker" in why
+    # a smaller pair later in the order still fits in what is left
+    fit, _ = pairs_that_fit([(0, 3), (1, 3), (2, 1)], {"free": free, "total": total}, 11 * gib)
+    assert fit == {0, 2}
+    # without a reading (a CPU run) or a footprint there is no limit
+    assert pairs_that_fit([(0, 3), (1, 3)], None, 11 * gib) == ({0, 1}, "")
+    assert pairs_that_fit([(0, 3), (1, 3)], {"free": 0, "total": total}, 0) == ({0, 1}, "")
+
+
 # --- the driver with real worker processes ---------------------------------------------------------
 
 @pytest.mark.slow

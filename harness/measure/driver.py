@@ -49,6 +49,35 @@ TIMEOUTS = {"hello": 600.0, "prepare": float(os.environ.get("HARNESS_PREPARE_TIM
 ORDERS = {2: [(0, 1), (1, 0)], 3: [(0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2)]}
 
 
+# device memory kept free beside the rows the workers hold: allocator fragmentation, the profiled
+# calls of extras, a worker's context growing
+MEMORY_HEADROOM = 0.08  # of the device's total
+
+
+def pairs_that_fit(needs: list[tuple[int, int]], memory: dict | None, footprint: int) -> tuple[set[int], str]:
+    """Which pairs (in order) can also prepare a row, and why the others cannot.
+
+    All pairs of a row hold it at once (rounds go from pair to pair), so a large row times the
+    workers can exceed the device (on the H200, 2026-12-04: 18 workers of 11 GiB each at
+    B4_T4096_H64_D128 fwd+bwd). `needs`: (pair id, workers of it still to prepare the row);
+    `memory`: the last reading of a worker that prepared it ({"free", "total"} bytes, the device's,
+    every process counted), or None without CUDA (no limit); `footprint`: the most bytes one worker
+    reserved while preparing it (its peak: the others prepare at once)."""
+    ids = {pid for pid, _ in needs}
+    if not memory or footprint <= 0:
+        return ids, ""
+    room = memory["free"] - MEMORY_HEADROOM * memory["total"]
+    fit = set()
+    for pid, n in needs:
+        if n * footprint <= room:
+            fit.add(pid)
+            room -= n * footprint
+    left = ids - fit
+    why = (f"device memory holds no more of this row: {footprint / 2**30:.1f} GiB a worker, "
+           f"{memory['free'] / 2**30:.1f} of {memory['total'] / 2**30:.1f} GiB free") if left else ""
+    return fit, why
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -159,6 +188,8 @@ class Driver:
         self.sides = ["baseline", "candidate"] + (["control"] if self.spec.control else [])
         self.pairs: list[Pair] = []
         self.cannot_start: str | None = None  # set when a whole batch of new pairs failed to start
+        # row key -> (pairs that could hold it, why no more): set when device memory held fewer than were live
+        self.memory_cap: dict[tuple[str, str], tuple[int, str]] = {}
         self.started_any = False  # whether any pair of this session started
         self.known = load_measurement(self.samples_path)
         self.next_worker = max((w.index for w in self.known.workers), default=-1) + 1
@@ -308,12 +339,20 @@ class Driver:
                     seen.add(code)
                     leaders.append((pair, w))
         led = {w.id for _, w in leaders}
-        rest = [(p, w) for p in pairs for w in p.workers if w.id not in led]
         for batch in ([x] for x in leaders):
             self._prepare_batch(batch, message, replies, failed)
+        measured = [replies[w.id]["memory"] for _, w in leaders if (replies.get(w.id) or {}).get("memory")]
+        footprint = max((m["peak_reserved"] for m in measured), default=0)
+        fit, why = pairs_that_fit([(p.id, sum(w.id not in led for w in p.workers)) for p in pairs],
+                                  measured[-1] if measured else None, footprint)
+        if why:
+            held = sum(1 for p in self.pairs if p.alive and row.key in p.rows) + len(fit)
+            self.memory_cap[row.key] = (held, why)
+            self.progress.message(f"{row.name}: {len(pairs) - len(fit)} pair(s) left out of this row: {why}")
+        rest = [(p, w) for p in pairs if p.id in fit for w in p.workers if w.id not in led]
         self._prepare_batch(rest, message, replies, failed)
         for pair in pairs:
-            if pair.alive and pair.id not in failed and all(w.id in replies for w in pair.workers):
+            if pair.alive and pair.id in fit and pair.id not in failed and all(w.id in replies for w in pair.workers):
                 pair.rows.add(row.key)
         return replies
 
@@ -431,8 +470,12 @@ class Driver:
                 return
             live = self.live_pairs(row.key)
             done_rounds = min((counts.get(p.id, 0) for p in live), default=0)
+            cap = self.memory_cap.get(row.key)
+            lim.max_pairs = min(self.spec.max_pairs, cap[0]) if cap else self.spec.max_pairs
             # pairs of an earlier session of a resumed run count with their rounds, but cannot add more
             d = stopping.decide(iv, max(iv.n_blocks, len(live)), done_rounds, time.monotonic() - t0, lim)
+            if cap and d.stop == "limit":
+                d.detail += f" ({cap[1]})"
             if d.stop:
                 self.end_row(row, basis, d.stop, d.detail, series, t0, iv)
                 return
@@ -547,7 +590,13 @@ class Driver:
         self.ensure_pairs(self.spec.pairs)
         job_row = self.training_job_row(self.loaded, trow)
         tokens = trow.B * trow.T
+        footprint, memory = 0, None  # the largest warm-up peak of a worker so far, the latest reading
         for pair in [p for p in self.pairs if p.alive]:
+            fit, why = pairs_that_fit([(pair.id, len(pair.workers))], memory, footprint)
+            if not fit:  # pairs prepare one after the other: the first that does not fit ends it
+                self.memory_cap[row.key] = (sum(1 for p in self.pairs if row.key in p.rows), why)
+                self.progress.message(f"{row.name}: pairs from {pair.id} on left out of this row: {why}")
+                break
             ok = True
             for w in pair.workers:
                 try:
@@ -556,6 +605,9 @@ class Driver:
                     self.lose(pair, e)
                     ok = False
                     break
+                if reply.get("memory"):
+                    memory = reply["memory"]
+                    footprint = max(footprint, memory["peak_reserved"])
                 if not reply.get("ok"):
                     self.write_kind("failure", w, shape=trow.name, mode=TRAIN_MODE, error=reply.get("error"),
                                     trace=reply.get("trace"))

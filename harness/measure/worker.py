@@ -10,12 +10,12 @@ command on its channel, and the driver, the run's only writer, records the answe
 Commands (one JSON object each; every reply has "ok", and "error"/"trace" when not ok):
     prepare      {shape, mode, graph}  build the row's inputs, warm it (compile, autotune; on a CPU only
                                        as many calls as declared), capture it as a CUDA graph when asked
-                                       and possible -> {graph, graph_reason, warm_s}
+                                       and possible -> {graph, graph_reason, warm_s, memory}
     burst        {shape, mode, basis, calls}  time `calls` calls -> {ms, enqueue_us, gpu}
     release      {shape, mode, what}   free the row's graph ("graph") or all its state ("all")
     extras       {shape, mode, peak, stage_iters}  peak allocation of one eager call and `stage_iters`
                                        profiled calls -> {peak_bytes, calls: [[name, ms, stage], ...]}
-    train_prepare {row}                build a training row and run its warm-up steps -> {steps: [[ms, loss]]}
+    train_prepare {row}                build a training row and run its warm-up steps -> {steps: [[ms, loss]], memory}
     train_burst  {name, steps}         `steps` timed optimizer steps -> {ms, losses, gpu}
     train_end    {name}                -> the row's summary (first/final loss, peak bytes, params)
     exit
@@ -68,6 +68,22 @@ def _free_cuda() -> None:
         torch.cuda.empty_cache()
 
 
+def _start_memory_watch() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _memory() -> dict | None:
+    """What the driver needs to decide how many workers can hold a row at once (driver.py:
+    pairs_that_fit): this process's peak reserved bytes since _start_memory_watch, what it holds now,
+    and the device's free and total bytes (every process's use counted). None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    return {"peak_reserved": int(torch.cuda.max_memory_reserved()), "reserved": int(torch.cuda.memory_reserved()),
+            "free": int(free), "total": int(total)}
+
+
 class SideWorker:
     def __init__(self, job: WorkerJob):
         self.job = job
@@ -99,6 +115,7 @@ class SideWorker:
         # finish preparing is never released by name) goes before this one takes memory
         self.rows.clear()
         _free_cuda()
+        _start_memory_watch()
         t0 = time.perf_counter()
         inputs = self.make_inputs(shape, mode, self.dtype, self.device, self.job.seed)
         call = Call(self.op, inputs, mode, self.job.seed)
@@ -116,7 +133,8 @@ class SideWorker:
         if graph:
             state.graph, reason = capture(call)
             _free_cuda()  # the eager warm-up's cached blocks go back before the next worker warms
-        return {"graph": state.graph is not None, "graph_reason": reason, "warm_s": time.perf_counter() - t0}
+        return {"graph": state.graph is not None, "graph_reason": reason, "warm_s": time.perf_counter() - t0,
+                "memory": _memory()}
 
     def burst(self, shape: str, mode: str, basis: str, calls: int) -> dict:
         state = self.rows[(shape, mode)]
@@ -160,11 +178,13 @@ class SideWorker:
 
         self.training.pop(row["name"], None)
         _free_cuda()
+        _start_memory_watch()
         run = TrainingRun(row, self.op, self.device)
         steps = [list(run.step(warmup=True)) for _ in range(int(row["warmup_steps"]))]
+        memory = _memory()  # before reset_peak: the warm-up steps' peak is the row's footprint
         run.reset_peak()
         self.training[row["name"]] = run
-        return {"steps": steps}
+        return {"steps": steps, "memory": memory}
 
     def train_burst(self, name: str, steps: int) -> dict:
         run = self.training[name]

@@ -192,6 +192,35 @@ def test_known_costs_and_the_aa_control(tmp_path):
 
 
 @pytest.mark.slow
+def test_no_worker_times_a_round_after_it_has_run_the_profiler(tmp_path):
+    """Profiled calls (stage times, peaks) come after every timed round of the run: a process that has
+    run torch.profiler launches more slowly for good, and a worker that profiled row 1 before timing
+    row 2 would carry that into row 2 (the A/A control, which never profiles, read up to 10% faster
+    than its baseline twin on the H200). Both rows still get their profiled calls from every pair."""
+    root, sha = sleep_repo(tmp_path / "repo")
+    exp = experiment(root, sha, "prof", {}, "- {kind: non_regression, name: nr, rows: all, modes: [fwd], margin: 0.5}\n",
+                     "{pairs: 2, max_pairs: 2, min_rounds: 2, max_rounds: 2, calls_per_burst: 2, "
+                     "target_half_width: 0.5, row_budget_s: 30}")
+    text = exp.read_text().replace("stage_iters: 0", "stage_iters: 1").replace(
+        "  - {name: row, B: 1, T: 8, H: 1, K: 1, V: 1}",
+        "  - {name: row, B: 1, T: 8, H: 1, K: 1, V: 1}\n  - {name: row2, B: 1, T: 16, H: 1, K: 1, V: 1}")
+    exp.write_text(text)
+    res = harness(*run_args(root, exp), cwd=root, env={"FAKE_MS": "2"})
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    recs = read_jsonl(next((root / "profile" / "prof" / "runs").glob("*/samples.jsonl")))
+    profiled: set = set()
+    for r in recs:
+        if r["type"] == "kernels":
+            profiled.add(r["block"])
+        elif r["type"] == "burst":
+            assert r["worker"] not in profiled, f"worker {r['worker']} timed {r['shape']} after profiling"
+    kernels = [(r["shape"], r["side"]) for r in recs if r["type"] == "kernels"]
+    assert sorted(set(kernels)) == [("row", "baseline"), ("row", "candidate"), ("row2", "baseline"),
+                                    ("row2", "candidate")]
+    assert len(kernels) == 2 * 2 * 2  # 2 rows x 2 pairs x (baseline, candidate)
+
+
+@pytest.mark.slow
 def test_a_worker_killed_mid_round_loses_and_repeats_nothing(tmp_path):
     """The first candidate worker dies on its 4th call (inside a round): its round is never counted,
     its pair stops, the other pairs go on, and the report says a worker was lost."""

@@ -8,9 +8,10 @@ Per row (shape, mode), in declaration order:
   3. per basis (the primary first; eager too when the primary is graph), rounds: each live pair in
      turn runs one burst per side, the side order rotating from round to round (A B C, C B A, ...),
      until the stopping rule (stopping.py) is satisfied; pairs are added when offsets dominate;
-  4. one eager call per worker for its peak allocation and `stage_iters` profiled calls for stage
-     times and summed device time, then the row is released.
-Training rows follow, with optimizer steps as the bursts. The driver is the only writer of
+  4. the row is released.
+Training rows follow, with optimizer steps as the bursts. Last, every row is prepared again for one
+eager call per worker for its peak allocation and `stage_iters` profiled calls for stage times and
+summed device time (last because a process that has run the profiler launches more slowly ever after). The driver is the only writer of
 samples.jsonl (model.py lists what it writes); resuming reads it back, keeps every complete round and
 finished row, and goes on with fresh pairs where the last session stopped.
 """
@@ -412,7 +413,6 @@ class Driver:
                 for p in self.live_pairs(row.key):
                     self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
             self.rounds(row, basis, gated=basis in gated, graph=primary == "graph")
-        self.extras(row)
         for p in self.live_pairs(row.key):
             self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
             p.rows.discard(row.key)
@@ -542,15 +542,23 @@ class Driver:
 
     def extras(self, row: RowPlan) -> None:
         """Peak allocation and profiled calls of every baseline and candidate worker (the control is
-        the baseline's code: its stage times would only repeat the baseline's)."""
+        the baseline's code: its stage times would only repeat the baseline's), once every timed round
+        of the run is done: the row is prepared again (eagerly) on every live pair for it.
+
+        Why last: once torch.profiler has run in a process, that process launches more slowly for
+        the rest of its life (CUPTI stays attached: pytorch/pytorch#144455). On the H200 (2026-12-04)
+        the baseline and candidate workers profiled each row right after its rounds and the A/A
+        control never did: on the eager rows after the first, the control read 1.5-10% faster than
+        the baseline running the same code (B8_T1024_H8_D64 fwd+bwd: 0.899 [0.887, 0.911])."""
         want_peak = not self.settings.cpu_mode
         if not want_peak and self.settings.stage_iters <= 0:
             return
-        have = {w.index for w in self.known.workers if row.key in w.peaks or row.key in w.kernels}
+        if any(row.key in w.peaks or row.key in w.kernels for w in self.known.workers):
+            return  # an earlier session of a resumed run did this row
+        self.ensure_pairs(self.spec.pairs)
+        self.prepare([p for p in self.pairs if p.alive], row, graph=False)
         for pair in self.live_pairs(row.key):
             for w in pair.workers[:2]:
-                if w.id in have:
-                    continue
                 try:
                     reply = w.request({"cmd": "extras", "shape": row.key[0], "mode": row.mode, "peak": want_peak,
                                        "stage_iters": self.settings.stage_iters}, TIMEOUTS["other"])
@@ -562,6 +570,9 @@ class Driver:
                                     trace=reply.get("trace"))
                     continue
                 self._write_extras(w, row, reply)
+        for pair in self.live_pairs(row.key):
+            self.request_all(pair, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+            pair.rows.discard(row.key)
 
     def _write_extras(self, w: WorkerHandle, row: RowPlan, reply: dict) -> None:
         shape, mode = row.key
@@ -648,6 +659,10 @@ class Driver:
             for trow in self.settings.training:
                 check_unmoved(self.revisions)
                 self.measure_training_row(trow)
+            # profiled calls only after every timed round (extras: the profiler slows a process for good)
+            for row in rows:
+                check_unmoved(self.revisions)
+                self.extras(row)
             check_unmoved(self.revisions)
         finally:
             for pair in list(self.pairs):

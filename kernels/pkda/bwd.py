@@ -656,11 +656,9 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
 # Host side: layout, stage launchers, the dAqk schedule seam, pkda_bwd
 # =============================================================================================
 def _layout(B, T, cu_seqlens, device):
+    """make_layout's (cached per shape; its chunk_bounds are the (bos, eos) the kernels read)."""
     from .reference import make_layout
-    lay = make_layout(B, T, cu_seqlens, device)
-    bnd = torch.tensor([(s, s + n) for _, _, s, n in lay.chunks], dtype=torch.int32).reshape(-1, 2)
-    lay.chunk_bounds = bnd.to(device)  # int32 [NT, 2] (bos, eos) of every chunk, flat tokens
-    return lay
+    return make_layout(B, T, cu_seqlens, device)
 
 
 def _new(shape, like, covered, dtype=torch.float32):

@@ -26,7 +26,8 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
                     RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta in the forward's
                     layouts) they are reused; otherwise stage bwd.recompute rebuilds them
                     with the forward's Triton stage launchers (from a kept Aqk and Tinv,
-                    W and U come from fwd_wu instead of a second fwd.intra).
+                    W and U come from fwd_wu instead of a second fwd.intra). A `layout`
+                    in it (the forward's ChunkLayout) is used instead of building one.
 
 Returns a dict of FP32 gradients, same shapes as the matching inputs:
     q, k (w.r.t. the normalised q, k), v, g, g_atk, beta_atk, beta, log_atk_scale [H],
@@ -656,11 +657,9 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
 # Host side: layout, stage launchers, the dAqk schedule seam, pkda_bwd
 # =============================================================================================
 def _layout(B, T, cu_seqlens, device):
+    """make_layout's (cached per shape; its chunk_bounds are the (bos, eos) the kernels read)."""
     from .reference import make_layout
-    lay = make_layout(B, T, cu_seqlens, device)
-    bnd = torch.tensor([(s, s + n) for _, _, s, n in lay.chunks], dtype=torch.int32).reshape(-1, 2)
-    lay.chunk_bounds = bnd.to(device)  # int32 [NT, 2] (bos, eos) of every chunk, flat tokens
-    return lay
+    return make_layout(B, T, cu_seqlens, device)
 
 
 def _new(shape, like, covered, dtype=torch.float32):
@@ -861,7 +860,11 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
         c = log_atk_scale.float().reshape(H).contiguous()
     else:
         c = torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=q.device)
-    lay = _layout(B, T, cu_seqlens, q.device)
+    # the forward's layout when it is handed over: building it again would read cu_seqlens
+    # back to the host a second time (varlen)
+    lay = saved.get("layout") if saved else None
+    if lay is None:
+        lay = _layout(B, T, cu_seqlens, q.device)
     if schedule is None:
         schedule = daqk_schedule(q.device, q.dtype, K, V)
     produce, consume = _dAv_and_intra(schedule)

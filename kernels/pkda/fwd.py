@@ -5,9 +5,9 @@ inputs, K and V each 64, 128 or 256 (K != V allowed), T of any length, dense and
 math is the design note's chunk form; `reference.py` holds the same stages in PyTorch.
 
 Stage launchers (stable signatures: the backward calls them to recompute). `layout` is a
-`reference.ChunkLayout` from `make_layout(B, T, cu_seqlens, device)` (built on the host
-once per call). Dense input is handled as packed sequences 0, T, 2T, ... of the flattened
-token axis, so every kernel has one code path.
+`reference.ChunkLayout` from `make_layout(B, T, cu_seqlens, device)` (built once per shape
+and cached; the kernels only read it). Dense input is handled as packed sequences 0, T, 2T,
+... of the flattened token axis, so every kernel has one code path.
 
     l2norm_fwd(x) -> (y [same shape, x.dtype], rstd [x.shape[:-1]] fp32)
     l2norm_bwd(y, rstd, dy) -> dx [y.shape, dy.dtype]               (stage bwd.l2norm)

@@ -89,8 +89,10 @@ class PKDAFunction(torch.autograd.Function):
         ctx.save_for_backward(saved["q_n"], saved["k_n"], saved["q_rstd"], saved["k_rstd"], v, g,
                               g_atk, beta_atk, beta, c, initial_state, initial_A_state, cu_seqlens,
                               *(saved[n] for n in kept_keys))
+        # the layout goes to the backward too: rebuilding it there would read cu_seqlens back
+        # to the host a second time (varlen)
         ctx.meta = dict(scale=scale, x=x, eps=eps, lsc_dtype=log_atk_scale.dtype,
-                        lsc_shape=log_atk_scale.shape, kept_keys=kept_keys,
+                        lsc_shape=log_atk_scale.shape, kept_keys=kept_keys, layout=layout,
                         dtypes=[t.dtype for t in (q, k, v, g, g_atk, beta_atk, beta)])
         ctx.set_materialize_grads(False)
         return o, S_fin, a_fin
@@ -101,7 +103,7 @@ class PKDAFunction(torch.autograd.Function):
         (q_n, k_n, q_rstd, k_rstd, v, g, g_atk, beta_atk, beta, c, S0, a0,
          cu_seqlens) = ctx.saved_tensors[:13]
         m = ctx.meta
-        saved = dict(zip(m["kept_keys"], ctx.saved_tensors[13:]))
+        saved = dict(zip(m["kept_keys"], ctx.saved_tensors[13:]), layout=m["layout"])
         if do is None:
             do = torch.zeros_like(v)
         gr = pkda_bwd(q_n, k_n, v, g, g_atk, beta_atk, beta, c, m["scale"], m["x"], m["eps"],

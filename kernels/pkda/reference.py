@@ -36,6 +36,8 @@ same sub-chunk) are formed exactly, element by element, from the masked differen
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -44,27 +46,32 @@ CHUNK = 64
 SUB = 16
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChunkLayout:
     """Where sequences and chunks lie in the flattened token axis (Ttot = B*T).
 
     B, T     : the input's leading dims (B = 1 with cu_seqlens)
     N        : number of sequences (B dense, len(cu_seqlens)-1 varlen)
-    bounds   : host list of (bos, eos) per sequence, in flattened token indices
-    chunks   : host list of (n, chunk index inside sequence n, bos of the chunk, length)
+    bounds   : host tuple of (bos, eos) per sequence, in flattened token indices
+    chunks   : host tuple of (n, chunk index inside sequence n, bos of the chunk, length)
     cu       : int32 [N+1] device tensor of sequence starts (dense: 0, T, 2T, ...)
     chunk_indices : int32 [NT, 2] device tensor of (n, chunk index inside n)
     chunk_offsets : int32 [N+1] device tensor: first global chunk of each sequence
+    chunk_bounds  : int32 [NT, 2] device tensor of (bos, eos) of every chunk (the backward's)
     covered  : True when the sequences cover every token (dense, or cu_seqlens[-1] == T)
+
+    make_layout hands the same layout to every call of one shape (its cache), so a layout is
+    never changed: frozen, and the kernels only read its index tensors.
     """
     B: int
     T: int
     N: int
-    bounds: list
-    chunks: list
+    bounds: tuple
+    chunks: tuple
     cu: torch.Tensor
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
+    chunk_bounds: torch.Tensor
     covered: bool
 
     @property
@@ -75,27 +82,138 @@ class ChunkLayout:
     def max_chunks(self) -> int:
         return max([(e - b + CHUNK - 1) // CHUNK for b, e in self.bounds] + [0])
 
+    def index_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.cu, self.chunk_indices, self.chunk_offsets, self.chunk_bounds
+
+
+# Built layouts, least recently used first, keyed by (B, T, device, host cu_seqlens values or
+# None). A pageable host->device copy is a host sync (torch's sync debug mode counts it, and
+# the harness then refuses to time the op as a CUDA-graph replay), and rebuilding the index
+# tensors every call costs launches or copies; a layout is immutable, so one per shape serves
+# every call. Bounded because varlen keys change with every batch of sequences.
+LAYOUT_CACHE_SIZE = 256
+_LAYOUTS: OrderedDict = OrderedDict()
+_LAYOUTS_LOCK = threading.Lock()
+INT32_MAX = 2 ** 31 - 1
+
+
+class _CachedLayout:
+    """A cached layout and what its device tensors need beyond the stream that built them."""
+
+    def __init__(self, layout: ChunkLayout, device: torch.device):
+        self.layout = layout
+        # read inside a CUDA-graph capture: every replay reads these tensors, so the entry is
+        # never evicted (evicting would free memory a graph still points at)
+        self.captured = False
+        self.event, self.streams = None, set()
+        if device.type == "cuda":
+            # the index tensors are written by kernels (or a copy) queued on this stream;
+            # another stream must wait for them before it first reads them
+            stream = torch.cuda.current_stream(device)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+            self.streams.add(stream.stream_id)
+
+    def ready_on_current_stream(self, device: torch.device) -> None:
+        """Orders the current stream after the build, once per stream (a device-side wait, no
+        host sync), and tells the allocator that stream reads the tensors (record_stream), so
+        an eviction never hands their memory out while that stream may still read it."""
+        if self.event is None:
+            return
+        stream = torch.cuda.current_stream(device)
+        if stream.stream_id in self.streams:
+            return
+        stream.wait_event(self.event)
+        for t in self.layout.index_tensors():
+            t.record_stream(stream)
+        self.streams.add(stream.stream_id)
+
 
 def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device,
                 host_cu: list | None = None) -> ChunkLayout:
-    """Builds the chunk layout on the host, once per call (one host sync for varlen, none
-    when the caller already holds cu_seqlens on the host as `host_cu`)."""
-    if cu_seqlens is None:
-        bounds = [(b * T, (b + 1) * T) for b in range(B)]
+    """The chunk layout of a call, built once per (B, T, device, cu_seqlens values) and then
+    reused (no host sync and no launch on a later call of that shape). Varlen reads
+    cu_seqlens back once per call (a host sync) unless the caller already holds it on the host
+    as `host_cu`, and copies its index tensors to the device once per distinct cu_seqlens;
+    dense input never syncs: its index tensors are made by device ops.
+
+    Inside a CUDA-graph capture a cached layout is used as it is (torch.cuda.graph synchronises
+    the device first, so it is complete) and kept for good; one built there is not cached, as
+    its kernels only run at replay."""
+    device = torch.device(device)
+    cs = None
+    if cu_seqlens is not None:
+        cs = tuple(int(i) for i in (host_cu if host_cu is not None else cu_seqlens.tolist()))
+    key = (B, T, device, cs)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    with _LAYOUTS_LOCK:
+        entry = _LAYOUTS.get(key)
+        if entry is not None:
+            _LAYOUTS.move_to_end(key)
+            entry.captured = entry.captured or capturing
+    if entry is not None:
+        if not capturing:  # a capture has no use for an event recorded before it began
+            entry.ready_on_current_stream(device)
+        return entry.layout
+    layout = _build_layout(B, T, cs, device)
+    if not capturing:
+        with _LAYOUTS_LOCK:
+            _LAYOUTS.setdefault(key, _CachedLayout(layout, device))
+            over = len(_LAYOUTS) - LAYOUT_CACHE_SIZE
+            if over > 0:
+                for old in [k for k, e in _LAYOUTS.items() if not e.captured][:over]:
+                    del _LAYOUTS[old]
+    return layout
+
+
+def _build_layout(B: int, T: int, cs: tuple | None, device: torch.device) -> ChunkLayout:
+    if cs is None:
+        bounds = tuple((b * T, (b + 1) * T) for b in range(B))
     else:
-        cs = [int(i) for i in (host_cu if host_cu is not None else cu_seqlens.tolist())]
-        bounds = [(cs[n], cs[n + 1]) for n in range(len(cs) - 1)]
+        bounds = tuple((cs[n], cs[n + 1]) for n in range(len(cs) - 1))
     chunks, offsets = [], [0]
     for n, (bos, eos) in enumerate(bounds):
         for i, s in enumerate(range(bos, eos, CHUNK)):
             chunks.append((n, i, s, min(CHUNK, eos - s)))
         offsets.append(len(chunks))
-    cu = torch.tensor([b for b, _ in bounds] + [bounds[-1][1] if bounds else 0], dtype=torch.int32)
-    ci = torch.tensor([(n, i) for n, i, _, _ in chunks], dtype=torch.int32).reshape(-1, 2)
-    co = torch.tensor(offsets, dtype=torch.int32)
-    covered = cu_seqlens is None or (bool(bounds) and bounds[-1][1] == T)
-    return ChunkLayout(B, T, len(bounds), bounds, chunks, cu.to(device), ci.to(device),
-                       co.to(device), covered)
+    if cs is None:
+        index = _dense_index(B, T, device)
+    else:
+        index = _copied_index(bounds, chunks, offsets, device)
+    covered = cs is None or (bool(bounds) and bounds[-1][1] == T)
+    return ChunkLayout(B, T, len(bounds), bounds, tuple(chunks), *index, covered)
+
+
+def _dense_index(B: int, T: int, device: torch.device):
+    """cu, chunk_indices, chunk_offsets, chunk_bounds of B sequences of T tokens, made on the
+    device by arange and arithmetic: no host->device copy at all."""
+    if B * T > INT32_MAX - CHUNK:  # int32 arithmetic (bos + CHUNK) would wrap silently
+        raise ValueError(f"B*T = {B * T} tokens exceed the int32 chunk layout")
+    NC = (T + CHUNK - 1) // CHUNK  # chunks per sequence
+    i32 = dict(dtype=torch.int32, device=device)
+    seqs = torch.arange(B + 1, **i32)
+    c = torch.arange(B * NC, **i32)
+    n, i = c // max(NC, 1), c % max(NC, 1)  # NC = 0 (T = 0): no chunks, nothing divided
+    bos = n * T + i * CHUNK
+    eos = torch.minimum(bos + CHUNK, (n + 1) * T)
+    return seqs * T, torch.stack((n, i), 1), seqs * NC, torch.stack((bos, eos), 1)
+
+
+def _copied_index(bounds, chunks, offsets, device: torch.device):
+    """The same four index tensors of a varlen layout, from the host lists in one host->device
+    copy (one sync instead of four); each starts at a multiple of 16 bytes of the buffer, the
+    alignment Triton specialises pointer arguments on, as a tensor of its own would."""
+    parts = ([b for b, _ in bounds] + [bounds[-1][1] if bounds else 0],
+             [v for n, i, _, _ in chunks for v in (n, i)],
+             offsets,
+             [v for _, _, s, L in chunks for v in (s, s + L)])
+    starts, flat = [], []
+    for part in parts:
+        starts.append(len(flat))
+        flat += part + [0] * (-len(part) % 4)
+    buf = torch.tensor(flat, dtype=torch.int32).to(device)
+    cu, ci, co, cb = (buf[s:s + len(part)] for s, part in zip(starts, parts))
+    return cu, ci.view(-1, 2), co, cb.view(-1, 2)
 
 
 def _flat(t):

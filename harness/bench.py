@@ -215,7 +215,7 @@ def run_blocks(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, se
         tail = SamplesTail(samples_path, attempt)
         rs = getattr(revisions, side)
         progress.block_started(index, len(plan), side, (rs.sha or "")[:10] or rs.ref, rows)
-        rc = _run_worker([sys.executable, "-m", "harness.worker", str(job_path)], run_dir,
+        rc = _run_worker([sys.executable, "-m", "harness.measure.blocks_worker", str(job_path)], run_dir,
                          side_env(loaded, declared, profile_root, settings.cpu_mode), log_path, tail, progress,
                          settings.samples_per_block)
         if index not in {b.index for b in completed_blocks(samples_path)}:

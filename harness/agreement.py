@@ -100,7 +100,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
                   log: Callable[[str], None] = print) -> dict:
     from safetensors.torch import load_file
 
-    from harness.bench import BenchSettings, side_env, side_op
+    from harness.measure.sides import BenchSettings, side_env, side_op
 
     exp = loaded.exp
     gates = [g for g in exp.gates if isinstance(g, AgreementGate)]

@@ -1,7 +1,7 @@
 """The profile subprocess: stage attribution of one side (the untouched baseline) in a fresh process.
 
 Started by harness/profile.py as `python -m harness.profile_worker JOB.json` with this checkout on
-PYTHONPATH and the side's env (harness.bench.side_env). Same import discipline as the block worker,
+PYTHONPATH and the side's env (harness.measure.sides.side_env). Same import discipline as the block worker,
 whose pieces (harness/measure/call.py) it reuses: the harness (timing, inputs) is imported first,
 from this checkout; only then is the side's worktree put at the front of sys.path and the op
 imported from it.

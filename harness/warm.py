@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness import children
-from harness.bench import HARNESS_ROOT, side_env, side_op, training_job_row, triton_cache_dir
+from harness.measure.sides import side_env, side_op, training_job_row, triton_cache_dir
+from harness.results import HARNESS_ROOT
 from harness.spec import LoadedExperiment
 
 

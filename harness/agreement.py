@@ -36,19 +36,19 @@ def _worker(job: dict) -> int:
     faulthandler.dump_traceback_later(float(os.environ.get("HARNESS_STACK_DUMP_S", STACK_DUMP_S)), repeat=True)
     from safetensors.torch import save_file
 
-    from harness.worker import _DTYPES, Call, _load_inputs, _load_op
+    from harness.measure.call import DTYPES, Call, load_inputs, load_op
 
     out: dict[str, torch.Tensor] = {}
     errors: dict[str, str] = {}
-    make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
-    op = _load_op(job["worktree"], job["op"], job.get("package"))
+    make_inputs = load_inputs(job["inputs_file"], job["inputs_fn"])
+    op = load_op(job["worktree"], job["op"], job.get("package"))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for shape, mode in job["rows"]:
         key = f"{shape['name']}.{mode}"
         t0 = time.time()
         print(f"{time.strftime('%H:%M:%S')} {key}: started", flush=True)
         try:
-            call = Call(op, make_inputs(shape, mode, _DTYPES[job["dtype"]], device, job["seed"]), mode, job["seed"])
+            call = Call(op, make_inputs(shape, mode, DTYPES[job["dtype"]], device, job["seed"]), mode, job["seed"])
             for i, t in enumerate(call()):
                 out[f"{key}.{i}"] = t.detach().float().cpu().contiguous()
         except Exception as e:  # recorded: the parent makes the gate INCONCLUSIVE for this row
@@ -100,7 +100,7 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
                   log: Callable[[str], None] = print) -> dict:
     from safetensors.torch import load_file
 
-    from harness.bench import BenchSettings, side_env, side_op
+    from harness.measure.sides import BenchSettings, side_env, side_op
 
     exp = loaded.exp
     gates = [g for g in exp.gates if isinstance(g, AgreementGate)]

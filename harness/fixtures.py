@@ -228,8 +228,8 @@ def adapter_record(loaded: LoadedExperiment) -> dict | None:
 # --- the worker ------------------------------------------------------------------------------------
 
 def worker_env(loaded: LoadedExperiment, side: str, profile_root, device: str) -> dict[str, str]:
-    """The side's block environment (harness.bench.side_env), so the oracle runs share its Triton cache."""
-    from harness.bench import side_env
+    """The side's block environment (harness.measure.sides.side_env), so the oracle runs share its Triton cache."""
+    from harness.measure.sides import side_env
 
     return side_env(loaded, side, Path(profile_root), cpu_mode=device == "cpu")
 

@@ -780,7 +780,7 @@ def ncu_run(loaded, revisions, run_dir: Path, profile_root: Path, log: Callable[
     profile: those end in the record's gate as INCONCLUSIVE with the reason. Each (side, row) is kept
     in ncu/<side>-<row>.json as soon as it is parsed: a run resumed after a crash (or a device call
     that ran out of time) profiles only what is missing."""
-    from harness.bench import side_env, side_op
+    from harness.measure.sides import side_env, side_op
     from harness.records import declared_side, run_is_aa
 
     exp = loaded.exp

@@ -1,9 +1,9 @@
 """The process Nsight Compute profiles: one side's op, warmed, then ONE measured iteration.
 
 Started by harness/ncu.py as `ncu ... python -m harness.ncu_target JOB.json` with this checkout on
-PYTHONPATH. Like harness/worker.py, the harness (inputs, the `Call` builder) is imported first from
-this checkout; only then is the side's worktree put at the front of sys.path and the op imported
-from it.
+PYTHONPATH. Like every measured process, the harness (inputs, the `Call` builder of
+harness/measure/call.py) is imported first from this checkout; only then is the side's worktree put
+at the front of sys.path and the op imported from it.
 
 Only the measured iteration runs inside the NVTX push/pop range `harness.measure` (MEASURE_RANGE),
 which ncu selects with `--nvtx --nvtx-include harness.measure/`: warm-up calls (compile, autotune)
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from harness.device import gpu_snapshot, versions
-from harness.worker import _DTYPES, Call, _load_inputs, _load_op  # harness first, then the op
+from harness.measure.call import DTYPES, Call, load_inputs, load_op  # harness first, then the op
 
 MEASURE_RANGE = "harness.measure"
 MIN_WARMUP = 3  # compile + autotune settle within a few calls; warm-up is never profiled
@@ -63,13 +63,13 @@ def run(job: dict) -> int:
                     "shape": job["shape"], "mode": job["mode"], "versions": versions(), "gpu_before": gpu_snapshot()}
     t0 = time.perf_counter()
     try:
-        make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
-        op = _load_op(job["worktree"], job["op"], job.get("package"))  # a package side: as installed
+        make_inputs = load_inputs(job["inputs_file"], job["inputs_fn"])
+        op = load_op(job["worktree"], job["op"], job.get("package"))  # a package side: as installed
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":
             result["device"] = {"name": torch.cuda.get_device_name(0),
                                 "capability": list(torch.cuda.get_device_capability(0))}
-        inputs = make_inputs(job["shape"], job["mode"], _DTYPES[job["dtype"]], device, int(job["seed"]))
+        inputs = make_inputs(job["shape"], job["mode"], DTYPES[job["dtype"]], device, int(job["seed"]))
         call = Call(op, inputs, job["mode"], int(job["seed"]))
         measure_once(call, job["mode"], int(job.get("warmup", 0)))
     except Exception as e:

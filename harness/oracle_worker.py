@@ -479,10 +479,10 @@ def setup_check(job: dict, result: dict) -> None:
     the inputs factory builds one small input on the CPU. Nothing is called: an op may take
     minutes to compile, which a run finds out soon enough."""
     if job.get("package"):  # an installed distribution at its declared version, as a block imports it
-        from harness.worker import _load_op
+        from harness.measure.call import load_op
 
         result["stage"] = "op"
-        _load_op("", job["op"], job["package"])
+        load_op("", job["op"], job["package"])
         result["imported"]["op"] = sys.modules[job["op"].split(":")[0]].__file__
         return
     result["stage"] = "inputs"

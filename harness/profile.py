@@ -1,9 +1,9 @@
 """Profile first: stage attribution of the untouched baseline and the Amdahl pre-gate.
 
 `profile_run` runs harness/profile_worker.py in a fresh process on the BASELINE worktree (side env
-and Triton cache from harness.bench.side_env) at the experiment's `profile.rows` (plus any Amdahl gate's row), modes fwdbwd (and
-fwd when the experiment declares it), and writes `run_dir/profile.json` (the worker's job, raw
-result and log go to run_dir/profile-work/):
+and Triton cache from harness.measure.sides.side_env) at the experiment's `profile.rows` (plus any
+Amdahl gate's row), modes fwdbwd (and fwd when the experiment declares it), and writes
+`run_dir/profile.json` (the worker's job, raw result and log go to run_dir/profile-work/):
 
     {schema, experiment, side: "baseline", sha, worktree, cpu_mode, device, versions, dtype, iters,
      warmup, timing {endpoint, l2_flush, device}, copy_bandwidth {bytes_per_s, buffer_bytes, ...},
@@ -59,8 +59,8 @@ from pathlib import Path
 from typing import Callable
 
 from harness import children
-from harness.bench import side_env
 from harness.gates import ExprError, eval_bytes_expr, shape_dims
+from harness.measure.sides import side_env
 from harness.spec import AmdahlGate, LoadedExperiment, Shape
 
 SCHEMA_VERSION = 1

@@ -1,13 +1,14 @@
 """The profile subprocess: stage attribution of one side (the untouched baseline) in a fresh process.
 
 Started by harness/profile.py as `python -m harness.profile_worker JOB.json` with this checkout on
-PYTHONPATH and the side's env (harness.bench.side_env). Same import discipline as harness/worker.py,
-whose pieces it reuses: the harness (timing, inputs) is imported first, from this checkout; only
-then is the side's worktree put at the front of sys.path and the op imported from it.
+PYTHONPATH and the side's env (harness.measure.sides.side_env). Same import discipline as the block worker,
+whose pieces (harness/measure/call.py) it reuses: the harness (timing, inputs) is imported first,
+from this checkout; only then is the side's worktree put at the front of sys.path and the op
+imported from it.
 
 Per (shape, mode) it measures
   - the endpoint: `iters` calls after warm-up, CUDA events on GPU (with the experiment's L2 flush),
-    perf_counter on CPU (harness.worker.Timer);
+    perf_counter on CPU (harness.measure.call.Timer);
   - the device time of every kernel in `iters` further calls under torch.profiler, each kernel
     assigned to at most one stage (see `attribute`);
 and once per process the device-to-device copy bandwidth (`copy_bandwidth`).
@@ -41,7 +42,7 @@ import torch
 
 from harness.device import device_info, versions
 from harness.kernel_profile import OverlapError, attribute, profile_calls  # noqa: F401 (re-exported for tests)
-from harness.worker import _DTYPES, Call, Timer, _load_inputs, _load_op, warmup_calls
+from harness.measure.call import DTYPES, Call, Timer, load_inputs, load_op, warmup_calls
 
 
 def summarise(calls: list[list[tuple[str, float, str | None]]], stages: list[str]) -> dict:
@@ -100,14 +101,14 @@ def run_profile(job: dict) -> dict:
     result: dict = {"rows": [], "errors": [], "device": None, "versions": None, "copy_bandwidth": None}
     try:
         result["device"], result["versions"] = device_info(), versions()
-        make_inputs = _load_inputs(job["inputs_file"], job["inputs_fn"])
-        op = _load_op(job["worktree"], job["op"])
+        make_inputs = load_inputs(job["inputs_file"], job["inputs_fn"])
+        op = load_op(job["worktree"], job["op"])
         result["op_file"] = sys.modules[job["op"].split(":")[0]].__file__
         cuda = torch.cuda.is_available()
         device = "cuda" if cuda else "cpu"
         if not cuda:
             torch.set_num_threads(int(os.environ.get("HARNESS_CPU_THREADS", "1")))
-        dtype = _DTYPES[job["dtype"]]
+        dtype = DTYPES[job["dtype"]]
         timer = Timer(job["timing"], job["l2_flush"])
         flush = (lambda: timer.flush_buf.zero_()) if timer.flush_buf is not None else None
         patterns = job["stage_patterns"]

@@ -1,13 +1,13 @@
 """Progress of `harness run`: what the pipeline reports while it works, and two ways to show it.
 
-The pipeline (harness/run.py, harness/bench.py) reports events to a `Progress`:
+The pipeline (harness/run.py, harness/measure/blocks.py) reports events to a `Progress`:
     phase(name)                                   a phase begins: resolve, verify, profile, bench, ncu, report
     message(text)                                 a free-form line (a Progress is also a `log` callable)
     bench_plan(total, done)                       the bench phase: its block count and the blocks already
                                                   complete (a resumed run), whose samples seed the medians
     block_started(index, total, side, sha, rows)  a worker process starts block `index` (0-based)
     row_progress(shape, mode, done, total)        samples of one (shape, mode) so far in the running block,
-                                                  read by tailing samples.jsonl (bench.SamplesTail)
+                                                  read by tailing samples.jsonl (blocks.SamplesTail)
     block_finished(block)                         the block's record (harness.records.Block)
     close()                                       the run is over (always called, also on an error)
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 from harness import children
 from harness import fixtures as fx
-from harness.bench import side_env
+from harness.measure.sides import side_env
 from harness.revisions import ResolvedSide, Revisions
 from harness.spec import SIDES, LoadedExperiment, PytestGate, setup_error
 

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 from harness import revisions as rev
-from harness.bench import HARNESS_ROOT, BenchSettings, block_plan, run_blocks
 from harness.errors import BadInput, in_run
+from harness.measure.blocks import block_plan, run_blocks
+from harness.measure.sides import BenchSettings
 from harness.progress import Progress, as_progress
 from harness.records import read_jsonl
-from harness.results import results_root
+from harness.results import HARNESS_ROOT, results_root
 from harness.runlock import run_lock
 from harness.spec import SAFE_NAME, LoadedExperiment
 

@@ -1,11 +1,11 @@
 """Training rows of one measured block: a small model around the side's op, trained from the seed.
 
-Called by harness/worker.py after the operator rows, in the same fresh block process, with the op
-already imported from the side's worktree. The model file is loaded by path from the harness's
-checkout (both sides run the same model code; only the attention function differs), the model is
-built on the CPU from `torch.manual_seed(row.seed)` and moved to the device, the data are drawn on
-the CPU from a generator seeded with `row.seed`, and the optimizer is AdamW: the two sides start
-from the same parameters and see the same tokens.
+Called by harness/measure/blocks_worker.py after the operator rows, in the same fresh block
+process, with the op already imported from the side's worktree. The model file is loaded by path
+from the harness's checkout (both sides run the same model code; only the attention function
+differs), the model is built on the CPU from `torch.manual_seed(row.seed)` and moved to the device,
+the data are drawn on the CPU from a generator seeded with `row.seed`, and the optimizer is AdamW:
+the two sides start from the same parameters and see the same tokens.
 
 Per row: `warmup_steps` untimed optimizer steps (the first one's loss is the first-step loss: same
 parameters and data on both sides, so it must agree across sides), then `steps` timed ones (CUDA

@@ -1,7 +1,7 @@
 """Make Triton's on-disk autotune cache work for kernels whose tuning key holds a dtype.
 
-The harness turns on `TRITON_CACHE_AUTOTUNING=1` in every side's worker (harness/bench.py) so a
-fresh block process does not benchmark every config again. Triton (3.6 and 3.7) then writes
+The harness turns on `TRITON_CACHE_AUTOTUNING=1` in every side's worker (harness/measure/sides.py)
+so a fresh block process does not benchmark every config again. Triton (3.6 and 3.7) then writes
 `{"key": tuning_key, ...}` with json.dumps, and a key that holds a `tl.dtype` constexpr (our
 PKDA backward keys its kernels on DT) raises TypeError after the benchmark, inside the op's call:
 on the H200 that made every fwdbwd case of a correct baseline fail. The key in that file is only

@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from harness import children
-from harness.bench import HARNESS_ROOT, side_env, side_op, training_job_row, triton_cache_dir
+from harness.measure.sides import side_env, side_op, training_job_row, triton_cache_dir
+from harness.results import HARNESS_ROOT
 from harness.spec import LoadedExperiment
 
 
@@ -102,10 +103,10 @@ def _one(job_file: str) -> int:
     """In the child: the side's op on one shape, fwd then fwd+bwd, once each."""
     import torch
 
-    from harness.worker import _DTYPES, Call, _load_inputs, _load_op
+    from harness.measure.call import DTYPES, Call, load_inputs, load_op
 
     job = json.loads(Path(job_file).read_text())
-    op = _load_op(job["worktree"], job["op"], job.get("package"))
+    op = load_op(job["worktree"], job["op"], job.get("package"))
     if job.get("training"):
         from harness.training import run_training_rows
 
@@ -116,9 +117,9 @@ def _one(job_file: str) -> int:
         if failures:
             print("\n".join(failures), file=sys.stderr)
         return 1 if failures else 0
-    make = _load_inputs(job["inputs_file"], job["inputs_fn"])
+    make = load_inputs(job["inputs_file"], job["inputs_fn"])
     for mode in ("fwd", "fwdbwd"):
-        inputs = make(dict(job["shape"]), mode, _DTYPES[job["dtype"]], "cuda", int(job["seed"]))
+        inputs = make(dict(job["shape"]), mode, DTYPES[job["dtype"]], "cuda", int(job["seed"]))
         Call(op, inputs, mode, int(job["seed"]))()
     torch.cuda.synchronize()
     return 0

@@ -51,7 +51,7 @@ PHASES = {
     "agreement": ("harness.agreement", "- {kind: agreement, name: same, rows: [small], modes: [fwd], rtol: 1.0e-5, "
                   "atol: 1.0e-6}\n", "", "lockstep"),
     "bench-lockstep": ("harness.measure.worker", SPEEDUP, "", "lockstep"),  # a side worker of the default engine
-    "bench-blocks": ("harness.worker", SPEEDUP, "", "blocks"),  # a block worker of the first engine
+    "bench-blocks": ("harness.measure.blocks_worker", SPEEDUP, "", "blocks"),  # a block worker of the first engine
 }
 
 
@@ -200,7 +200,8 @@ def test_sigterm_mid_bench_then_resume_completes_every_block_once(temp_repo):
     assert all(len(b.samples[("small", "fwd")]) == 2 for b in done)
 
 
-@pytest.mark.parametrize("engine, module", [("lockstep", "harness.measure.worker"), ("blocks", "harness.worker")])
+@pytest.mark.parametrize("engine, module", [("lockstep", "harness.measure.worker"),
+                                            ("blocks", "harness.measure.blocks_worker")])
 def test_sigkill_of_the_harness_takes_its_worker_with_it(temp_repo, engine, module):
     repo = sleepy_repo(temp_repo)
     exp = repo.experiment(f"killed-parent-{engine}", "main", SPEEDUP, blocks=3, samples=2, engine=engine)

@@ -50,7 +50,7 @@ def test_the_cpu_smoke_of_the_main_job_stays_small():
     cpu profile makes, phase by phase, as the harness derives them, are bounded here, and so is each
     call's size; so is what every phase still exercises."""
     from harness import fixtures, profile
-    from harness.bench import BenchSettings
+    from harness.measure.sides import BenchSettings
     from harness.spec import Shape
 
     loaded = load_experiment(ROOT / "experiments" / "pkda-dAqk.yaml")

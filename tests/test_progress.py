@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.bench import SamplesTail
+from harness.measure.blocks import SamplesTail
 from harness.progress import Progress, QuietProgress, RichProgress, as_progress, make_progress, plain
 from harness.records import Block
 

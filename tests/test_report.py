@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from harness import analyse, report
-from harness.bench import block_plan
+from harness.measure.blocks import block_plan
 from harness.records import append_jsonl
 from harness.spec import load_experiment
 

@@ -136,7 +136,7 @@ def test_two_harness_runs_of_one_run_at_once_the_second_is_refused_naming_the_fi
                           blocks=3, samples=2, engine="blocks")  # its block_start records name each worker's pid
     first = start_harness(repo, exp)  # run r1, its op asleep in block 0
     try:
-        wait_for_child(first, "harness.worker")
+        wait_for_child(first, "harness.measure.blocks_worker")
         second = resume_run(repo, exp, timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"is in use by pid {first.pid} on {socket.gethostname()} running `harness run {exp} --run-id r1 " \

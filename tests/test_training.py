@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from harness import analyse, gates as G
-from harness.bench import BenchSettings, training_job_row
+from harness.measure.sides import BenchSettings, training_job_row
 from harness.records import append_jsonl, load_blocks
 from harness.spec import Experiment, SpecError, load_experiment
 from harness.stats import Series

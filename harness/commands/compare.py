@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from harness.bench import HARNESS_ROOT
 from harness.cli import UsageError
 from harness.fmt import fmt_speedup
+from harness.results import HARNESS_ROOT
 from harness.verdict import gate_summary, row_bases, verdict_lines
 
 

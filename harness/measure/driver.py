@@ -177,7 +177,7 @@ def gated_bases(exp, shape: str, mode: str) -> set[str]:
 class Driver:
     def __init__(self, loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings, profile_root: Path,
                  progress: Progress):
-        from harness.bench import side_env, side_op, training_job_row
+        from harness.measure.sides import side_env, side_op, training_job_row
 
         self.loaded, self.exp, self.revisions = loaded, loaded.exp, revisions
         self.run_dir, self.settings, self.profile_root = Path(run_dir), settings, Path(profile_root)
@@ -674,6 +674,6 @@ class Driver:
 
 def run_measurement(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, settings, profile_root: Path,
                     log=print) -> None:
-    """Measure every row of `settings` (a harness.bench.BenchSettings) with the lockstep engine into
+    """Measure every row of `settings` (a harness.measure.sides.BenchSettings) with the lockstep engine into
     run_dir/samples.jsonl, resuming what an earlier session left."""
     Driver(loaded, revisions, run_dir, settings, profile_root, as_progress(log)).run()

@@ -32,13 +32,13 @@ from pathlib import Path
 
 import torch
 
+from harness.measure.call import DTYPES, Call, check_finite, load_inputs, load_op, peak_bytes, warmup_calls
 from harness.measure.detail.channel import Channel, ChannelClosed
 from harness.measure.detail.telemetry import Telemetry
 from harness.measure.detail.timing import L2Flush, capture, time_burst
 from harness.measure.model import WorkerJob
 from harness.device import gpu_snapshot
 from harness.kernel_profile import profile_calls
-from harness.worker import _DTYPES, Call, _load_inputs, _load_op, check_finite, peak_bytes, warmup_calls
 
 
 class RowState:
@@ -87,13 +87,13 @@ def _memory() -> dict | None:
 class SideWorker:
     def __init__(self, job: WorkerJob):
         self.job = job
-        self.make_inputs = _load_inputs(job.inputs_file, job.inputs_fn)
-        self.op = _load_op(job.worktree, job.op, job.package)
+        self.make_inputs = load_inputs(job.inputs_file, job.inputs_fn)
+        self.op = load_op(job.worktree, job.op, job.package)
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cpu":
             # one thread: the workers of a CPU run take turns on a shared machine, and all get the same
             torch.set_num_threads(int(os.environ.get("HARNESS_CPU_THREADS", "1")))
-        self.dtype = _DTYPES[job.dtype]
+        self.dtype = DTYPES[job.dtype]
         self.flush = L2Flush(job.l2_flush)
         self.telemetry = Telemetry()
         self.rows: dict[tuple[str, str], RowState] = {}

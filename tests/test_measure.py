@@ -156,6 +156,29 @@ def test_pairs_that_fit_in_device_memory():
     assert pairs_that_fit([(0, 3), (1, 3)], {"free": 0, "total": total}, 0) == ({0, 1}, "")
 
 
+def test_prepare_order_has_a_leader_per_side_and_random_orders():
+    """Every side (the control too) has one worker that prepares a row alone; the leaders' order and
+    the rest's are drawn at random, so no side is always first to allocate and capture."""
+    import random
+    from types import SimpleNamespace
+
+    from harness.measure.driver import prepare_order
+
+    sides = ("baseline", "candidate", "control")
+    pairs = [SimpleNamespace(id=p, workers=[SimpleNamespace(id=3 * p + i, side=s) for i, s in enumerate(sides)])
+             for p in range(4)]
+    rng = random.Random(0)
+    firsts_led, firsts_rest = set(), set()
+    for _ in range(60):
+        leaders, rest = prepare_order(pairs, rng)
+        assert sorted(w.side for _, w in leaders) == sorted(sides)
+        assert all(p.id == 0 for p, _ in leaders)  # from the first pair that has the side
+        assert sorted(w.id for _, w in leaders + rest) == list(range(12))
+        firsts_led.add(leaders[0][1].side)
+        firsts_rest.add(rest[0][1].side)
+    assert firsts_led == set(sides) and firsts_rest == set(sides)
+
+
 # --- the driver with real worker processes ---------------------------------------------------------
 
 @pytest.mark.slow

@@ -79,6 +79,29 @@ def pairs_that_fit(needs: list[tuple[int, int]], memory: dict | None, footprint:
     return fit, why
 
 
+def prepare_order(pairs: list, rng: random.Random | None = None) -> tuple[list, list]:
+    """(leaders, rest): the (pair, worker) that prepare a row alone, one after the other, then the
+    rest, sent at once. A leader per side (the control too: it is the baseline's code, and whichever
+    of the two goes first compiles for both), each from the first pair that has the side. Both lists
+    are shuffled: a worker's place in them decides when it allocates the row's memory and captures
+    its graph, and a side always first or always solo would carry that into every pair alike (on the
+    H200, 2026-12-04, with the baseline always first to be sent the rest's prepare and the control
+    never a leader, the compute-bound A/A row read the baseline 0.14% faster than both other sides
+    in the pairs that had no leader); drawn at random it is per-pair spread the interval pays for."""
+    rng = rng or random
+    leaders, seen = [], set()
+    for pair in pairs:
+        for w in pair.workers:
+            if w.side not in seen:
+                seen.add(w.side)
+                leaders.append((pair, w))
+    led = {id(w) for _, w in leaders}
+    rest = [(p, w) for p in pairs for w in p.workers if id(w) not in led]
+    rng.shuffle(leaders)
+    rng.shuffle(rest)
+    return leaders, rest
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
@@ -328,17 +351,12 @@ class Driver:
 
         The first worker of each side prepares alone (it compiles and autotunes the side's kernels
         into the shared Triton cache; autotuning beside another process's GPU work would time the
-        contention), then every other worker at once: they find the cache, and nothing is timed."""
+        contention), then every other worker at once: they find the cache, and nothing is timed.
+        Both orders are drawn at random (prepare_order)."""
         message = {"cmd": "prepare", "shape": row.shape, "mode": row.mode, "graph": graph}
         replies: dict[int, dict] = {}
         failed: set[int] = set()
-        leaders, seen = [], set()
-        for pair in pairs:
-            for w in pair.workers:
-                code = "baseline" if w.side == "control" else w.side
-                if code not in seen:
-                    seen.add(code)
-                    leaders.append((pair, w))
+        leaders, rest = prepare_order(pairs)
         led = {w.id for _, w in leaders}
         for batch in ([x] for x in leaders):
             self._prepare_batch(batch, message, replies, failed)
@@ -350,7 +368,7 @@ class Driver:
             held = sum(1 for p in self.pairs if p.alive and row.key in p.rows) + len(fit)
             self.memory_cap[row.key] = (held, why)
             self.progress.message(f"{row.name}: {len(pairs) - len(fit)} pair(s) left out of this row: {why}")
-        rest = [(p, w) for p in pairs if p.id in fit for w in p.workers if w.id not in led]
+        rest = [(p, w) for p, w in rest if p.id in fit]
         self._prepare_batch(rest, message, replies, failed)
         for pair in pairs:
             if pair.alive and pair.id in fit and pair.id not in failed and all(w.id in replies for w in pair.workers):

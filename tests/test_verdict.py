@@ -22,8 +22,8 @@ def demo(tmp_path_factory):
     return analyse.build_report(loaded, run_dir)
 
 
-def _committed(name: str) -> dict:
-    return json.loads((ROOT / "reports" / name / "h200" / "report.json").read_text())
+def _committed(name: str, run: str = "h200") -> dict:
+    return json.loads((ROOT / "reports" / name / run / "report.json").read_text())
 
 
 def test_demo_lines(demo):
@@ -49,7 +49,8 @@ def test_demo_lines(demo):
 
 
 def test_committed_dAqk_reads_as_the_gates_do():
-    report = _committed("pkda-dAqk")
+    """The first engine's pkda-dAqk report (blocks, 2026-12-03)."""
+    report = _committed("pkda-dAqk", "h200-blocks")
     v = verdict.build_verdict(report)
     assert v.lines[0].row == "B4_T2048_H16_D128/fwdbwd"  # replaced-stages, the first deciding gate with a row
     by_row = {line.row: line for line in v.lines}
@@ -65,6 +66,27 @@ def test_committed_dAqk_reads_as_the_gates_do():
     # a varlen row runs packed (B=1, T=tokens): that is its declared shape, not another one
     assert not by_row["varlen_uneven_K128_V64/fwd"].ran_elsewhere
     assert all(len(g.summary) <= verdict.SUMMARY_CHARS + 2 for g in v.gates)
+
+
+def test_committed_lockstep_dAqk_forward_control_holds_one():
+    """The lockstep engine's pkda-dAqk report (2026-12-04): the forward rows run the same code on both
+    sides, and every one of their intervals holds 1.0 (the first engine's excluded it at one row); the
+    fwd+bwd rows decide, the forward ones do not; evidence the run did not reach is missing, not
+    failed."""
+    report = _committed("pkda-dAqk")
+    assert report["measurement"]["engine"] == "lockstep"
+    fwd = [r for r in report["rows"] if r["mode"] == "fwd"]
+    assert len(fwd) == 7
+    for r in fwd:
+        sp = r["bases"][r["primary_basis"]]["speedup"]
+        assert sp["lo"] <= 1.0 <= sp["hi"], (r["name"], sp)
+    v = verdict.build_verdict(report)
+    assert v.verdict == "NO-GO" and v.lines[0].row == "B4_T2048_H16_D128/fwdbwd"
+    by_row = {line.row: line for line in v.lines}
+    assert not any(by_row[r["name"]].deciding for r in fwd)
+    gates = {g.name: g for g in v.gates}
+    assert gates["no-regression"].summary.startswith("14 rows: 5 FAIL, 7 INCONCLUSIVE, 2 PASS")
+    assert gates["ncu-attribution"].status == "INCONCLUSIVE" and "missing evidence" in gates["ncu-attribution"].summary
 
 
 def test_package_side_is_named_by_its_version():

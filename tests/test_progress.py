@@ -179,8 +179,9 @@ def test_harness_run_quiet_writes_plain_lines(temp_repo):
     for expected in ("[phase] resolve", "[phase] bench", "[measure] 1 rows, 3 worker pairs of 2 processes",
                      "[row] small/fwd eager: rounds with 3 pairs", "[phase] report", "verdict: "):
         assert any(line.startswith(expected) for line in lines), (expected, res.stdout)
-    assert any(re.fullmatch(r"\[row\] small/fwd eager: speedup [\d.]+x \[[\d.]+, [\d.]+\]; limit: .* \(at .*\)", line)
-               for line in lines), res.stdout
+    # what ends the row depends on the CPU's noise (a quiet machine resolves it): any reason, one line
+    assert any(re.fullmatch(r"\[row\] small/fwd eager: speedup [\d.]+x \[[\d.]+, [\d.]+\]; "
+                            r"(resolved|budget|limit): .* \(at .*\)", line) for line in lines), res.stdout
     assert any(line.startswith("[end] elapsed ") for line in lines)
 
 

@@ -21,7 +21,7 @@ import torch
 
 from harness.device import gpu_snapshot
 from harness.kernel_profile import profile_calls
-from harness.measure.call import DTYPES, Call, Timer, check_finite, load_inputs, load_op, peak_bytes
+from harness.measure.call import DTYPES, Call, Timer, check_finite, free_cuda, load_inputs, load_op, peak_bytes
 from harness.records import append_jsonl
 from harness.training import run_training_rows
 
@@ -72,7 +72,7 @@ def run_block(job: dict) -> int:
                 broken[(shape["name"], mode)] = f"{type(e).__name__}: {e}"
                 emit("failure", shape=shape["name"], mode=mode, error=broken[(shape["name"], mode)],
                      trace=traceback.format_exc(limit=8))
-                _free_cuda()
+                free_cuda()
             finally:
                 call = outs = None
 
@@ -105,7 +105,7 @@ def run_block(job: dict) -> int:
             except Exception as e:
                 emit("failure", shape=key[0], mode=mode, error=f"{type(e).__name__}: {e}",
                      trace=traceback.format_exc(limit=8))
-                _free_cuda()
+                free_cuda()
             finally:
                 call = None
 
@@ -116,15 +116,6 @@ def run_block(job: dict) -> int:
         traceback.print_exc()
     emit("block_end", t=_now(), status=status, error=error, gpu=gpu_snapshot())
     return 0 if status == "ok" else 1
-
-
-def _free_cuda():
-    if torch.cuda.is_available():
-        try:
-            torch.cuda.synchronize()
-        except Exception:
-            pass
-        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:

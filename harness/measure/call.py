@@ -151,3 +151,14 @@ def peak_bytes(fn) -> int | None:
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - before
+
+
+def free_cuda() -> None:
+    """Wait for the device, then give the allocator's cached blocks back: what a worker does between
+    rows, so the next row (or the next worker's warm-up) finds the memory free."""
+    if torch.cuda.is_available():
+        try:
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - a failed call's error is already the caller's to report
+            pass
+        torch.cuda.empty_cache()

@@ -11,8 +11,8 @@ Per row (shape, mode), in declaration order:
   4. the row is released.
 Training rows follow, with optimizer steps as the bursts. Last, every row is prepared again for one
 eager call per worker for its peak allocation and `stage_iters` profiled calls for stage times and
-summed device time (last because a process that has run the profiler launches more slowly ever after). The driver is the only writer of
-samples.jsonl (model.py lists what it writes); resuming reads it back, keeps every complete round and
+summed device time (last because a process that has run the profiler launches more slowly ever
+after). The driver is the only writer of samples.jsonl (model.py lists what it writes); resuming reads it back, keeps every complete round and
 finished row, and goes on with fresh pairs where the last session stopped.
 """
 from __future__ import annotations
@@ -431,6 +431,10 @@ class Driver:
                 for p in self.live_pairs(row.key):
                     self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
             self.rounds(row, basis, gated=basis in gated, graph=primary == "graph")
+        self.release_row(row)
+
+    def release_row(self, row: RowPlan) -> None:
+        """Every live pair that holds the row frees it and no longer counts as holding it."""
         for p in self.live_pairs(row.key):
             self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
             p.rows.discard(row.key)
@@ -588,9 +592,7 @@ class Driver:
                                     trace=reply.get("trace"))
                     continue
                 self._write_extras(w, row, reply)
-        for pair in self.live_pairs(row.key):
-            self.request_all(pair, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
-            pair.rows.discard(row.key)
+        self.release_row(row)
 
     def _write_extras(self, w: WorkerHandle, row: RowPlan, reply: dict) -> None:
         shape, mode = row.key

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 
-from harness.measure.call import DTYPES, Call, check_finite, load_inputs, load_op, peak_bytes, warmup_calls
+from harness.measure.call import (DTYPES, Call, check_finite, free_cuda, load_inputs, load_op, peak_bytes,
+                                   warmup_calls)
 from harness.measure.detail.channel import Channel, ChannelClosed
 from harness.measure.detail.telemetry import Telemetry
 from harness.measure.detail.timing import L2Flush, capture, time_burst
@@ -57,15 +58,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the closed channel still ends the loop
         pass
-
-
-def _free_cuda() -> None:
-    if torch.cuda.is_available():
-        try:
-            torch.cuda.synchronize()
-        except Exception:  # noqa: BLE001
-            pass
-        torch.cuda.empty_cache()
 
 
 def _start_memory_watch() -> None:
@@ -114,7 +106,7 @@ class SideWorker:
         # a worker holds one row at a time: whatever an earlier row left (a row this pair could not
         # finish preparing is never released by name) goes before this one takes memory
         self.rows.clear()
-        _free_cuda()
+        free_cuda()
         _start_memory_watch()
         t0 = time.perf_counter()
         inputs = self.make_inputs(shape, mode, self.dtype, self.device, self.job.seed)
@@ -132,7 +124,7 @@ class SideWorker:
         reason = "not asked (measure.graph: false)" if not graph else None
         if graph:
             state.graph, reason = capture(call)
-            _free_cuda()  # the eager warm-up's cached blocks go back before the next worker warms
+            free_cuda()  # the eager warm-up's cached blocks go back before the next worker warms
         return {"graph": state.graph is not None, "graph_reason": reason, "warm_s": time.perf_counter() - t0,
                 "memory": _memory()}
 
@@ -161,7 +153,7 @@ class SideWorker:
             else:
                 del self.rows[(shape, mode)]
             state = None
-            _free_cuda()
+            free_cuda()
         return {}
 
     def extras(self, shape: str, mode: str, peak: bool, stage_iters: int) -> dict:
@@ -177,7 +169,7 @@ class SideWorker:
         from harness.training import TrainingRun
 
         self.training.pop(row["name"], None)
-        _free_cuda()
+        free_cuda()
         _start_memory_watch()
         run = TrainingRun(row, self.op, self.device)
         steps = [list(run.step(warmup=True)) for _ in range(int(row["warmup_steps"]))]
@@ -195,7 +187,7 @@ class SideWorker:
         run = self.training.pop(name)
         summary = run.summary()
         run = None
-        _free_cuda()
+        free_cuda()
         return summary
 
     def handle(self, msg: dict) -> dict:
@@ -239,7 +231,7 @@ def serve(job: WorkerJob) -> int:
             reply = {"ok": True, **worker.handle(msg)}
         except Exception as e:  # noqa: BLE001 - a row's failure is the driver's to record; the worker goes on
             traceback.print_exc()
-            _free_cuda()
+            free_cuda()
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=8)}
         try:
             channel.send(reply)

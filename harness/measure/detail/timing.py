@@ -33,18 +33,22 @@ class L2Flush:
             self.buf.zero_()
 
 
-# ~0.2 ms at the H200's 1980 MHz boost, ~0.3 ms power-capped at 1300 MHz: a graph replay's host
-# enqueue (flush, event, cudaGraphLaunch) measured well under that; `enqueue_us` shows when it was not
+# ~0.2 ms at the H200's 1980 MHz boost, ~0.3 ms power-capped at 1300 MHz. The host's whole enqueue
+# (hold, flush, events, replay) measured median 233 us, p99 768 us there (docs/perf/measurement.md):
+# at times longer than the hold, yet bursts with slow enqueues read no slower below 1 ms; `enqueue_us`
+# keeps showing it
 HOLD_CYCLES = 400_000
 
 
-def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush, hold: bool = False) -> tuple[list[float], float]:
+def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush,
+               hold: bool = False) -> tuple[list[float], float | None]:
     """(milliseconds of each of `calls` calls of fn, the slowest call's host enqueue time in
-    microseconds: from before the hold/flush is enqueued to after the end event is). With `hold`
-    the device spins for HOLD_CYCLES first (see the module's docstring)."""
+    microseconds: from before the hold/flush is enqueued to after the end event is; None on a CPU,
+    where nothing is enqueued). With `hold` the device spins for HOLD_CYCLES first (see the module's
+    docstring)."""
     out = []
-    enqueue = 0.0
     if torch.cuda.is_available():
+        enqueue = 0.0
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)]
         for start, end in events:
             t0 = time.perf_counter()
@@ -61,7 +65,7 @@ def time_burst(fn: Callable[[], object], calls: int, flush: L2Flush, hold: bool 
         t0 = time.perf_counter()
         fn()
         out.append((time.perf_counter() - t0) * 1e3)
-    return out, enqueue
+    return out, None
 
 
 def _first_line(e: BaseException) -> str:

@@ -860,8 +860,8 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
         c = log_atk_scale.float().reshape(H).contiguous()
     else:
         c = torch.full((H,), float(log_atk_scale), dtype=torch.float32, device=q.device)
-    # the forward's layout when it is handed over: building it again would read cu_seqlens
-    # back to the host a second time (varlen)
+    # the forward's layout when it is handed over: building it again would look cu_seqlens's
+    # values up again (varlen; a read-back unless reference.host_cu_seqlens still holds them)
     lay = saved.get("layout") if saved else None
     if lay is None:
         lay = _layout(B, T, cu_seqlens, q.device)

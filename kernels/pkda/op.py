@@ -34,7 +34,7 @@ from .checks import (check_cu_seqlens_meta, check_cu_seqlens_values, check_gate_
                      check_scalars, check_states, real_scalar)
 from .ranges import stage_range
 from .fwd import SUPPORTED_DIMS, l2norm_bwd, pkda_fwd
-from .reference import make_layout
+from .reference import host_cu_seqlens, make_layout
 
 # Head dims the kernels take; any K, V in [1, MAX_DIM] is zero-padded up to the next one.
 MAX_DIM = max(SUPPORTED_DIMS)
@@ -53,13 +53,16 @@ def kernel_dim(D):
 def validate(q, k, v, g, g_atk, beta_atk, beta, initial_state, initial_A_state, cu_seqlens,
              log_atk_scale, transpose_state_layout=False):
     """Raises ValueError / TypeError naming the offending argument.
-    Returns cu_seqlens as a host list (None when dense): the call's only host sync.
+    Returns cu_seqlens's values as a host tuple (None when dense), from
+    reference.host_cu_seqlens: the call's only host sync, and none when the same tensor
+    object was read before and not written since. The value checks run on every call (on the
+    host copy, no sync): T may differ between calls with one cu_seqlens.
     With transpose_state_layout, initial_state is expected as [N,H,V,K]."""
     B, T, H, K, V, _ = check_inputs(q, k, v, g, g_atk, beta_atk, beta, MAX_DIM)
 
     if cu_seqlens is not None:
         check_cu_seqlens_meta(cu_seqlens, B, q.device)
-        cs = cu_seqlens.tolist()
+        cs = host_cu_seqlens(cu_seqlens)
         check_cu_seqlens_values(cs, T)
         N = len(cs) - 1
     else:
@@ -89,8 +92,8 @@ class PKDAFunction(torch.autograd.Function):
         ctx.save_for_backward(saved["q_n"], saved["k_n"], saved["q_rstd"], saved["k_rstd"], v, g,
                               g_atk, beta_atk, beta, c, initial_state, initial_A_state, cu_seqlens,
                               *(saved[n] for n in kept_keys))
-        # the layout goes to the backward too: rebuilding it there would read cu_seqlens back
-        # to the host a second time (varlen)
+        # the layout goes to the backward too: rebuilding it there would look cu_seqlens's
+        # values up again (varlen; a read-back unless reference.host_cu_seqlens still holds them)
         ctx.meta = dict(scale=scale, x=x, eps=eps, lsc_dtype=log_atk_scale.dtype,
                         lsc_shape=log_atk_scale.shape, kept_keys=kept_keys, layout=layout,
                         dtypes=[t.dtype for t in (q, k, v, g, g_atk, beta_atk, beta)])

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -129,13 +130,61 @@ class _CachedLayout:
         self.streams.add(stream.stream_id)
 
 
+# Host copies of cu_seqlens tensors, least recently used first, keyed by id(tensor) -> (weak
+# reference to it, its stamp, host tuple). Reading a device tensor's values is a host sync,
+# which a CUDA-graph capture forbids; a caller that passes the same cu_seqlens object to every
+# step (the usual way to drive a varlen op; the harness's calls of one row share theirs)
+# needs it read once.
+# A few entries: a caller keeps few cu_seqlens tensors alive at once (_LAYOUTS, keyed by
+# values, holds many more).
+HOST_CU_CACHE_SIZE = 8
+_HOST_CU: OrderedDict = OrderedDict()
+_HOST_CU_LOCK = threading.Lock()
+
+
+def _stamp(t: torch.Tensor) -> tuple:
+    """What changes when the tensor's values may have: torch bumps _version on every in-place
+    write through the tensor or any view of it (they share the counter); a storage swapped in
+    by `t.data = ...` leaves _version alone but moves data_ptr."""
+    return t._version, t.data_ptr(), t.shape, t.stride()
+
+
+def host_cu_seqlens(cu_seqlens: torch.Tensor) -> tuple[int, ...]:
+    """cu_seqlens's values on the host, read back (a host sync for a device tensor) only when
+    this tensor object was not read before or may have been written since: the one rule for
+    every reader of cu_seqlens (op validation, make_layout). A hit touches no device and no
+    tensor data, so it is legal inside a CUDA-graph capture; a miss there raises from tolist()
+    as any sync does, and the harness times the op eagerly.
+
+    Limit: only writes torch sees are noticed. A write that bypasses the version counter (a
+    raw kernel or a foreign library writing into the tensor's memory, a DLPack alias) leaves
+    the stale values in use. Inference tensors have no version counter: never cached."""
+    if cu_seqlens.is_inference():
+        return tuple(int(i) for i in cu_seqlens.tolist())
+    key, stamp = id(cu_seqlens), _stamp(cu_seqlens)
+    with _HOST_CU_LOCK:
+        entry = _HOST_CU.get(key)
+        # the weak reference tells a live tensor from a new one that got a dead one's id
+        if entry is not None and entry[0]() is cu_seqlens and entry[1] == stamp:
+            _HOST_CU.move_to_end(key)
+            return entry[2]
+    host = tuple(int(i) for i in cu_seqlens.tolist())
+    with _HOST_CU_LOCK:
+        _HOST_CU[key] = (weakref.ref(cu_seqlens), stamp, host)
+        _HOST_CU.move_to_end(key)
+        while len(_HOST_CU) > HOST_CU_CACHE_SIZE:
+            _HOST_CU.popitem(last=False)
+    return host
+
+
 def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device,
                 host_cu: list | None = None) -> ChunkLayout:
     """The chunk layout of a call, built once per (B, T, device, cu_seqlens values) and then
-    reused (no host sync and no launch on a later call of that shape). Varlen reads
-    cu_seqlens back once per call (a host sync) unless the caller already holds it on the host
-    as `host_cu`, and copies its index tensors to the device once per distinct cu_seqlens;
-    dense input never syncs: its index tensors are made by device ops.
+    reused (no host sync and no launch on a later call of that shape). Varlen takes
+    cu_seqlens's values from `host_cu` when the caller holds them, else from host_cu_seqlens
+    (a read-back, i.e. a host sync, only for a tensor object not read before or written
+    since), and copies its index tensors to the device once per distinct cu_seqlens; dense
+    input never syncs: its index tensors are made by device ops.
 
     Inside a CUDA-graph capture a cached layout is used as it is (torch.cuda.graph synchronises
     the device first, so it is complete) and kept for good; one built there is not cached, as
@@ -143,7 +192,7 @@ def make_layout(B: int, T: int, cu_seqlens: torch.Tensor | None, device,
     device = torch.device(device)
     cs = None
     if cu_seqlens is not None:
-        cs = tuple(int(i) for i in (host_cu if host_cu is not None else cu_seqlens.tolist()))
+        cs = tuple(int(i) for i in host_cu) if host_cu is not None else host_cu_seqlens(cu_seqlens)
     key = (B, T, device, cs)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
     with _LAYOUTS_LOCK:

@@ -204,14 +204,35 @@ def test_known_costs_and_the_aa_control(tmp_path):
     gates = {g["name"]: g for g in report["gates"]}
     assert gates["not-slower"]["status"] == "FAIL" and gates["nr"]["status"] == "FAIL"
     assert report["measurement"]["engine"] == "lockstep"
-    # the side order of each pair's rounds: baseline, candidate, control rotating through all six orders
+    # the side order of each pair's rounds: whole cycles of the six orders of three sides, so every
+    # side is in every position equally often in every pair
     recs = read_jsonl(next((root / "profile" / "known" / "runs").glob("*/samples.jsonl")))
     by_round: dict = {}
     for r in recs:
         if r["type"] == "burst":
             by_round.setdefault((r["pair"], r["basis"], r["round"]), []).append(r["side"])
-    orders = {tuple(v) for (p, b, i), v in by_round.items() if p == min(p for p, _, _ in by_round) and i < 2}
-    assert orders == {("baseline", "candidate", "control"), ("control", "candidate", "baseline")}
+    cycles: dict = {}
+    for (p, b, i), sides in by_round.items():
+        cycles.setdefault((p, b, i // 6), []).append(tuple(sides))
+    assert cycles and all(len(set(c)) == 6 for c in cycles.values() if len(c) == 6), cycles
+
+
+def test_each_pair_takes_whole_cycles_of_side_orders_in_its_own_order():
+    """side_order: every cycle of a pair is all six orders of three sides (two of two), the cycle's
+    order is drawn per pair and cycle (pairs run their rounds interleaved: one shared sequence put
+    the same side first in every pair at the same moment), and it is the same when recomputed."""
+    from harness.measure.driver import ORDERS, side_order
+
+    for n in (2, 3):
+        for pair in range(8):
+            key = f"attempt:{pair}:('row', 'fwd'):graph"
+            seq = [side_order(n, key, i) for i in range(4 * len(ORDERS[n]))]
+            for c in range(4):
+                assert sorted(seq[c * len(ORDERS[n]):(c + 1) * len(ORDERS[n])]) == sorted(ORDERS[n])
+            assert seq == [side_order(n, key, i) for i in range(len(seq))]
+    firsts = {side_order(3, f"attempt:{pair}:('row', 'fwd'):eager", 0) for pair in range(8)}
+    cycles = {tuple(side_order(3, f"attempt:{pair}:('row', 'fwd'):eager", i) for i in range(6)) for pair in range(8)}
+    assert len(firsts) > 1 and len(cycles) > 1  # identical for all 8 pairs: (1/6)^7 and (1/720)^7 by chance
 
 
 @pytest.mark.slow

@@ -6,8 +6,8 @@ Per row (shape, mode), in declaration order:
      it as a CUDA graph when it can;
   2. the row's primary basis is graph if every worker captured it, else eager (the reason is kept);
   3. per basis (the primary first; eager too when the primary is graph), rounds: each live pair in
-     turn runs one burst per side, the side order rotating from round to round (A B C, C B A, ...),
-     until the stopping rule (stopping.py) is satisfied; pairs are added when offsets dominate;
+     turn runs one burst per side, the side order rotating from round to round through whole cycles
+     of orders, drawn per pair (side_order), until the stopping rule (stopping.py) is satisfied; pairs are added when offsets dominate;
   4. the row is released.
 Training rows follow, with optimizer steps as the bursts. Last, every row is prepared again for one
 eager call per worker for its peak allocation and `stage_iters` profiled calls for stage times and
@@ -48,6 +48,20 @@ TIMEOUTS = {"hello": 600.0, "prepare": float(os.environ.get("HARNESS_PREPARE_TIM
 # its round cancel; a pair's rounds are whole cycles (on the H200, 2026-12-03, rounds that were not
 # gave the workers measured first in more rounds a 0.1% edge in A/A runs: docs/perf/measurement.md)
 ORDERS = {2: [(0, 1), (1, 0)], 3: [(0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2)]}
+
+
+def side_order(n_sides: int, key: str, index: int) -> tuple[int, ...]:
+    """The side order of round `index` of one pair on one row and basis (`key` names them): each
+    whole cycle of ORDERS is taken in an order drawn for that pair and cycle. The pairs' rounds run
+    interleaved, so with one fixed sequence every pair would put the same side first at the same
+    moment, and anything tied to the moment (the first rounds of a basis, a pause of the host) would
+    land on one side in every pair, a bias the spread of pairs cannot show: on the H200 (pkda-aa,
+    2026-12-04) the 5th eager round was slow for whichever side went first, the control in every
+    pair, and two eager A/A controls read 7-10% slower. Drawn per pair, it becomes spread between
+    pairs, which the interval pays for. Seeded by the key, so a round's order can be recomputed."""
+    orders = ORDERS[n_sides]
+    cycle = random.Random(f"{key}:{index // len(orders)}").sample(orders, len(orders))
+    return cycle[index % len(orders)]
 
 
 # device memory kept free beside the rows the workers hold: allocator fragmentation, the profiled
@@ -518,8 +532,7 @@ class Driver:
             target = max(target, whole(d.rounds))
 
     def one_round(self, pair: Pair, row: RowPlan, basis: str, index: int, series: stats.Series) -> None:
-        n = len(pair.workers)
-        order = ORDERS[n][index % len(ORDERS[n])]
+        order = side_order(len(pair.workers), f"{self.attempt}:{pair.id}:{row.key}:{basis}", index)
         bursts: dict[str, list[float]] = {}
         bad = None
         for i in order:

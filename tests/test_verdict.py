@@ -89,6 +89,27 @@ def test_committed_lockstep_dAqk_forward_control_holds_one():
     assert gates["ncu-attribution"].status == "INCONCLUSIVE" and "missing evidence" in gates["ncu-attribution"].summary
 
 
+def test_committed_pkda_aa_every_row_is_a_graph_and_holds_one():
+    """The lockstep A/A of our op (2026-12-04, sides at 9671aa8: no host sync, dense or varlen):
+    every row, varlen too, was timed as a graph; every graph speedup interval holds 1.0 and the 2%
+    non-regression gate PASSes on all 10 rows; the verdict is NO-GO from the terminal pre-gate alone;
+    the report counts the A/A control intervals that missed 1.0 (3 of 20, on record in
+    docs/perf/pkda.md)."""
+    report = _committed("pkda-aa")
+    assert report["measurement"]["engine"] == "lockstep"
+    assert len(report["rows"]) == 10
+    for r in report["rows"]:
+        assert r["primary_basis"] == "graph", (r["name"], r.get("graph_reason"))
+        sp = r["bases"]["graph"]["speedup"]
+        assert sp["lo"] <= 1.0 <= sp["hi"], (r["name"], sp)
+    aa = report["measurement"]["aa_control"]
+    assert (aa["containing_one"], aa["intervals"]) == (17, 20)
+    v = verdict.build_verdict(report)
+    gates = {g.name: g for g in v.gates}
+    assert gates["no-regression"].status == "PASS" and gates["no-regression"].summary.startswith("10 rows: 10 PASS")
+    assert v.verdict == "NO-GO" and verdict.short_reason(report["terminal"]) == "Amdahl pre-gate failed"
+
+
 def test_package_side_is_named_by_its_version():
     v = verdict.build_verdict(_committed("pkda-vs-fla"))
     assert verdict.side_label(v.baseline) == "fla-core==0.6.0"

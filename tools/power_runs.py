@@ -1,6 +1,6 @@
 """Run one experiment N times (fresh worker processes each time) and tabulate what the instrument read.
 
-    python3 tools/power_runs.py experiments/power-2pct.yaml 10 [--out DIR] [--cpu]
+    python3 tools/power_runs.py experiments/power-2pct.yaml 10 [--out DIR] [--cpu] [--measure KEY=VALUE ...]
 
 Each run is a whole `harness run` (its own run id, its own worker pairs); this parent process is
 reused between runs only to save its start-up (it measures nothing). Per run and row it records the
@@ -18,12 +18,15 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+from pydantic import ValidationError
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from harness.progress import QuietProgress  # noqa: E402
 from harness.run import RunOptions, run_experiment  # noqa: E402
-from harness.spec import load_experiment  # noqa: E402
+from harness.spec import LoadedExperiment, MeasureSpec, load_experiment  # noqa: E402
 
 
 def summarize_run(report: dict, seconds: float) -> dict:
@@ -66,6 +69,26 @@ def table(runs: list[dict]) -> list[str]:
     return lines
 
 
+def with_measure(loaded: LoadedExperiment, settings: list[str]) -> tuple[LoadedExperiment, str]:
+    """The experiment with fields of its `measure:` replaced (KEY=VALUE, the value read as YAML), checked
+    as the file's own would be, and a suffix naming the change for the output files; a design is tried
+    on the device without a copy of the experiment file."""
+    if not settings:
+        return loaded, ""
+    update = {}
+    for item in settings:
+        key, sep, value = item.partition("=")
+        if not sep or key not in MeasureSpec.model_fields:
+            raise SystemExit(f"--measure {item!r}: expected KEY=VALUE, KEY one of {', '.join(MeasureSpec.model_fields)}")
+        update[key] = yaml.safe_load(value)
+    try:
+        measure = MeasureSpec.model_validate({**loaded.exp.measure.model_dump(), **update})
+    except ValidationError as e:
+        raise SystemExit(f"--measure {' '.join(settings)}: {e}") from None
+    suffix = "".join(f"-{k}{v}" for k, v in update.items())
+    return loaded.model_copy(update={"exp": loaded.exp.model_copy(update={"measure": measure})}), suffix
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment")
@@ -73,13 +96,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--cpu", action="store_true", help="the experiment's CPU profile (a smoke of this tool only)")
     ap.add_argument("--aa", action="store_true", help="harness run --aa: the baseline on both sides")
+    ap.add_argument("--measure", action="append", default=[], metavar="KEY=VALUE",
+                    help="replace a field of the experiment's measure: settings for these runs (repeatable)")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="start no further run once this many seconds have passed (a device call's limit)")
     args = ap.parse_args(argv)
-    loaded = load_experiment(args.experiment)
+    loaded, suffix = with_measure(load_experiment(args.experiment), args.measure)
     out = args.out or Path(os.environ.get("OUT") or ROOT / "profile" / "power")
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"power-{loaded.exp.name}{'-aa' if args.aa else ''}"
+    stem = f"power-{loaded.exp.name}{'-aa' if args.aa else ''}{suffix}"
     runs = []
     start = time.monotonic()
     for i in range(args.runs):
@@ -95,7 +120,8 @@ def main(argv=None) -> int:
         for failure in report["failures"][:3]:  # what went wrong, right where the table is read
             print(f"failure: {failure}", flush=True)
         (out / f"{stem}.json").write_text(json.dumps({"experiment": loaded.exp.name, "aa": args.aa,
-                                                       "runs": runs}, indent=1))
+                                                       "measure": loaded.exp.measure.model_dump(), "runs": runs},
+                                                      indent=1))
         print("\n".join(table(runs[-1:])), flush=True)
     lines = table(runs)
     (out / f"{stem}.txt").write_text("\n".join(lines) + "\n")

@@ -7,7 +7,8 @@ Per row (shape, mode), in declaration order:
   2. the row's primary basis is graph if every worker captured it, else eager (the reason is kept);
   3. per basis (the primary first; eager too when the primary is graph), rounds: each live pair in
      turn runs one burst per side, the side order rotating from round to round through whole cycles
-     of orders, drawn per pair (side_order), until the stopping rule (stopping.py) is satisfied; pairs are added when offsets dominate;
+     of orders, drawn per pair (side_order), until the stopping rule (stopping.py) is satisfied;
+     pairs are added when offsets dominate;
   4. the row is released.
 Training rows follow, with optimizer steps as the bursts. Last, every row is prepared again for one
 eager call per worker for its peak allocation and `stage_iters` profiled calls for stage times and
@@ -56,8 +57,8 @@ def side_order(n_sides: int, key: str, index: int) -> tuple[int, ...]:
     interleaved, so with one fixed sequence every pair would put the same side first at the same
     moment, and anything tied to the moment (the first rounds of a basis, a pause of the host) would
     land on one side in every pair, a bias the spread of pairs cannot show: on the H200 (pkda-aa,
-    2026-12-04) the 5th eager round was slow for whichever side went first, the control in every
-    pair, and two eager A/A controls read 7-10% slower. Drawn per pair, it becomes spread between
+    2026-12-04) the 5th eager round of a row was slow for whichever side went first (the control in
+    every pair) in 3 of its 6 pairs, and two eager A/A controls read 7-10% slower. Drawn per pair, it becomes spread between
     pairs, which the interval pays for. Seeded by the key, so a round's order can be recomputed."""
     orders = ORDERS[n_sides]
     cycle = random.Random(f"{key}:{index // len(orders)}").sample(orders, len(orders))

@@ -7,10 +7,13 @@ run is detected by comparing the branch tip with the SHA recorded at resolution.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import git
 
@@ -90,9 +93,30 @@ def _usable_worktree(repo: git.Repo, path: Path) -> git.Repo | None:
         return None
 
 
+@contextmanager
+def _worktree_lock(path: Path) -> Iterator[None]:
+    """Holds a kernel file lock beside the worktree folder while it is checked and made: two runs of
+    one experiment at once (a Slurm job and a local run, say) share its worktrees, and both finding
+    the folder missing made the second `git worktree add` fail on the first's folder (a CI run, 2026-12-04).
+    Waits for the other holder; the kernel drops the lock of a holder that dies."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _ensure_worktree(repo: git.Repo, path: Path, sha: str) -> None:
     """A detached worktree at `sha` (created once, moved when the SHA changes, never dirty). A folder
-    in its place that is no worktree of `repo` is the harness's own leftover: removed and recreated."""
+    in its place that is no worktree of `repo` is the harness's own leftover: removed and recreated.
+    One process at a time per folder (_worktree_lock)."""
+    with _worktree_lock(path):
+        _ensure_worktree_locked(repo, path, sha)
+
+
+def _ensure_worktree_locked(repo: git.Repo, path: Path, sha: str) -> None:
     wt = _usable_worktree(repo, path) if path.exists() else None
     if wt is not None:
         if wt.head.commit.hexsha != sha:

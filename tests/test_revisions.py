@@ -54,3 +54,37 @@ def test_a_worktree_moved_off_its_sha_is_put_back_on_resume(temp_repo):
     git.Repo(wt).git.checkout("--detach", revs.candidate.sha)
     ensure_worktrees(revs)
     assert head(wt) == revs.baseline.sha
+
+
+def _ensure_at_once(args) -> str:
+    """One of several processes making the same worktree at the same moment (a barrier of start times)."""
+    import time
+
+    from harness.revisions import _ensure_worktree, open_repo
+
+    repo_path, wt, sha, start_at = args
+    time.sleep(max(0.0, start_at - time.time()))
+    try:
+        _ensure_worktree(open_repo(repo_path), wt, sha)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the test counts what failed and how
+        return f"{type(e).__name__}: {e}"
+
+
+def test_runs_of_one_experiment_at_once_share_its_worktrees(temp_repo, tmp_path):
+    """A Slurm job and a local run of one experiment started together both found the worktree folder
+    missing, and the second `git worktree add` failed on the first's folder (exit 4 in CI). Six
+    processes making the same two worktrees at the same moment all succeed, at the right SHAs."""
+    import multiprocessing as mp
+    import time
+
+    temp_repo.branch("cand", work=2)
+    repo = git.Repo(temp_repo.root)
+    shas = {"baseline": repo.commit("main").hexsha, "candidate": repo.commit("cand").hexsha}
+    wts = {side: tmp_path / "profile" / "exp" / "worktrees" / side for side in shas}
+    start_at = time.time() + 2.0  # after every process has imported git
+    jobs = [(temp_repo.root, wts[side], shas[side], start_at) for side in shas for _ in range(3)]
+    with mp.get_context("spawn").Pool(len(jobs)) as pool:
+        results = pool.map(_ensure_at_once, jobs)
+    assert results == ["ok"] * len(jobs), results
+    assert {side: head(wt) for side, wt in wts.items()} == shas

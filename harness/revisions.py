@@ -94,13 +94,14 @@ def _usable_worktree(repo: git.Repo, path: Path) -> git.Repo | None:
 
 
 @contextmanager
-def _worktree_lock(path: Path) -> Iterator[None]:
-    """Holds a kernel file lock beside the worktree folder while it is checked and made: two runs of
-    one experiment at once (a Slurm job and a local run, say) share its worktrees, and both finding
-    the folder missing made the second `git worktree add` fail on the first's folder (a CI run, 2026-12-04).
-    Waits for the other holder; the kernel drops the lock of a holder that dies."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "a") as f:
+def _worktree_lock(repo: git.Repo) -> Iterator[None]:
+    """Holds a kernel file lock in the repository's git folder while a worktree of it is checked and
+    made. Two runs at once (a Slurm job and a local run of one experiment, or an array of experiments
+    on one repository) share worktrees and the repository's worktree records: both finding a folder
+    missing made the second `git worktree add` fail on the first's folder (a CI run, 2026-12-04), and
+    one run's `git worktree prune` can drop the record of a worktree another is adding. Waits for the
+    other holder; the kernel drops the lock of a holder that dies."""
+    with open(Path(repo.common_dir) / "harness-worktrees.lock", "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -111,8 +112,8 @@ def _worktree_lock(path: Path) -> Iterator[None]:
 def _ensure_worktree(repo: git.Repo, path: Path, sha: str) -> None:
     """A detached worktree at `sha` (created once, moved when the SHA changes, never dirty). A folder
     in its place that is no worktree of `repo` is the harness's own leftover: removed and recreated.
-    One process at a time per folder (_worktree_lock)."""
-    with _worktree_lock(path):
+    One process at a time per repository (_worktree_lock)."""
+    with _worktree_lock(repo):
         _ensure_worktree_locked(repo, path, sha)
 
 

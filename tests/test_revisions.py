@@ -73,8 +73,10 @@ def _ensure_at_once(args) -> str:
 
 def test_runs_of_one_experiment_at_once_share_its_worktrees(temp_repo, tmp_path):
     """A Slurm job and a local run of one experiment started together both found the worktree folder
-    missing, and the second `git worktree add` failed on the first's folder (exit 4 in CI). Six
-    processes making the same two worktrees at the same moment all succeed, at the right SHAs."""
+    missing, and the second `git worktree add` failed on the first's folder (exit 4 in CI); a lock
+    per folder still let one process's `git worktree prune` race another's add of the other side (2
+    failures in 9 runs of this test). Six processes making the two worktrees at the same moment all
+    succeed, at the right SHAs (20 of 20 runs with the lock per repository)."""
     import multiprocessing as mp
     import time
 

@@ -372,13 +372,12 @@ class Driver:
         replies: dict[int, dict] = {}
         failed: set[int] = set()
         leaders, rest = prepare_order(pairs)
-        led = {w.id for _, w in leaders}
         for batch in ([x] for x in leaders):
             self._prepare_batch(batch, message, replies, failed)
         measured = [replies[w.id]["memory"] for _, w in leaders if (replies.get(w.id) or {}).get("memory")]
         footprint = max((m["peak_reserved"] for m in measured), default=0)
-        fit, why = pairs_that_fit([(p.id, sum(w.id not in led for w in p.workers)) for p in pairs],
-                                  measured[-1] if measured else None, footprint)
+        waiting = [(p.id, sum(q is p for q, _ in rest)) for p in pairs]  # workers of each pair still to prepare
+        fit, why = pairs_that_fit(waiting, measured[-1] if measured else None, footprint)
         if why:
             held = sum(1 for p in self.pairs if p.alive and row.key in p.rows) + len(fit)
             self.memory_cap[row.key] = (held, why)

@@ -7,7 +7,7 @@ Per row (shape, mode), in declaration order:
   2. the row's primary basis is graph if every worker captured it, else eager (the reason is kept);
   3. per basis (the primary first; eager too when the primary is graph), rounds: each live pair in
      turn runs one burst per side, the side order rotating from round to round through whole cycles
-     of orders, drawn per pair (side_order), until the stopping rule (stopping.py) is satisfied;
+     of orders, its sides relabelled per pair (side_order), until the stopping rule (stopping.py) is satisfied;
      pairs are added when offsets dominate;
   4. the row is released.
 Training rows follow, with optimizer steps as the bursts. Last, every row is prepared again for one
@@ -52,17 +52,21 @@ ORDERS = {2: [(0, 1), (1, 0)], 3: [(0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (
 
 
 def side_order(n_sides: int, key: str, index: int) -> tuple[int, ...]:
-    """The side order of round `index` of one pair on one row and basis (`key` names them): each
-    whole cycle of ORDERS is taken in an order drawn for that pair and cycle. The pairs' rounds run
-    interleaved, so with one fixed sequence every pair would put the same side first at the same
-    moment, and anything tied to the moment (the first rounds of a basis, a pause of the host) would
-    land on one side in every pair, a bias the spread of pairs cannot show: on the H200 (pkda-aa,
-    2026-12-04) the 5th eager round of a row was slow for whichever side went first (the control in
-    every pair) in 3 of its 6 pairs, and two eager A/A controls read 7-10% slower. Drawn per pair, it becomes spread between
-    pairs, which the interval pays for. Seeded by the key, so a round's order can be recomputed."""
+    """The side order of round `index` of one pair on one row and basis (`key` names them): the
+    sequence of ORDERS, with the sides relabelled by a permutation drawn for that pair. The pairs'
+    rounds run interleaved, so with one sequence for all every pair would put the same side first at
+    the same moment, and anything tied to the moment (the first rounds of a basis, a pause of the
+    host) would land on one side in every pair, a bias the spread of pairs cannot show: on the H200
+    (pkda-aa, 2026-12-04) the 5th eager round of a row was slow for whichever side went first (the
+    control in every pair) in 3 of its 6 pairs, and two eager A/A controls read 7-10% slower.
+    Relabelled per pair it becomes spread between pairs, which the interval pays for. Only the
+    labels change: within a pair, whole cycles still put every side in every position equally often
+    and give every side one back-to-back burst (its last and next first) per cycle. Drawing the
+    cycle's order instead broke that, and a CPU run's A/A control then excluded 1.0 (CI,
+    2026-12-04). Seeded by the key, so a round's order can be recomputed."""
     orders = ORDERS[n_sides]
-    cycle = random.Random(f"{key}:{index // len(orders)}").sample(orders, len(orders))
-    return cycle[index % len(orders)]
+    relabel = random.Random(key).sample(range(n_sides), n_sides)
+    return tuple(relabel[i] for i in orders[index % len(orders)])
 
 
 # device memory kept free beside the rows the workers hold: allocator fragmentation, the profiled

@@ -209,7 +209,8 @@ def _basis_section(r: G.RowEvidence, basis: str) -> dict:
         "aa_control_median": stats.summarize(series.samples("control")).median if aa else None,
         "noise_floor": floor, "noise_floor_source": floor_source,
         "pairs": len(series.pairs), "rounds": series.n_rounds,
-        "excluded_rounds": r.excluded.get(basis, 0), "stop": r.stops.get(basis),
+        "excluded_rounds": r.excluded.get(basis, 0), "retimed_calls": r.retimed.get(basis, 0),
+        "stop": r.stops.get(basis),
         "mann_whitney_p": stats.mann_whitney_p(base, cand) if base and cand else None,
     }
 

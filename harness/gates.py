@@ -69,6 +69,7 @@ class RowEvidence:
     graph_reason: str | None = None  # why the row has no graph basis
     stops: dict[str, dict] = field(default_factory=dict)  # basis -> its row_end record (what ended its rounds)
     excluded: dict[str, int] = field(default_factory=dict)  # basis -> rounds left out (throttled)
+    retimed: dict[str, int] = field(default_factory=dict)  # basis -> calls timed again (late replays)
 
     @classmethod
     def from_blocks(cls, base_blocks: Blocks, cand_blocks: Blocks, base_device: Blocks = (),
@@ -623,6 +624,7 @@ def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerd
         row.stops = {b: {k: v for k, v in asdict(e).items() if k not in ("attempt", "shape", "mode")}
                      for (sh, mo, b), e in m.row_ends.items() if (sh, mo) == key}
         row.excluded = {b: n for (sh, mo, b), n in m.excluded.items() if (sh, mo) == key}
+        row.retimed = {b: n for (sh, mo, b), n in m.retimed.items() if (sh, mo) == key}
         for side in ("baseline", "candidate"):
             peaks = [w.peaks[key] for w in ok if w.side == side and key in w.peaks]
             if peaks:

@@ -397,6 +397,7 @@ class Measurement:
     workers: list[Block]  # lockstep: every worker; blocks: the completed blocks
     series: dict  # (shape, mode, basis) -> stats.Series of complete, unthrottled rounds
     excluded: dict = field(default_factory=dict)  # (shape, mode, basis) -> rounds left out (throttled)
+    retimed: dict = field(default_factory=dict)  # (shape, mode, basis) -> calls timed again (late replays)
     methods: dict = field(default_factory=dict)  # (shape, mode) -> the latest measure.model.RowMethod
     row_ends: dict = field(default_factory=dict)  # (shape, mode, basis) -> the latest measure.model.RowEnd
     throttled: list = field(default_factory=list)  # (shape, mode, basis, pair, round, why) of left-out rounds
@@ -421,6 +422,8 @@ def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> 
         elif isinstance(rec, model.RoundDone):
             sides = bursts.pop((rec.attempt, rec.pair, rec.shape, rec.mode, rec.basis, rec.round), {})
             key = (rec.shape, rec.mode, rec.basis)
+            if any(b.retimed for b in sides.values()):
+                m.retimed[key] = m.retimed.get(key, 0) + sum(b.retimed for b in sides.values())
             why = next((b.throttled for b in sides.values() if b.throttled), None)
             if why:
                 m.excluded[key] = m.excluded.get(key, 0) + 1

@@ -365,6 +365,43 @@ def test_which_bursts_are_left_out_for_the_clock():
                                                "throttle_reasons": ["sw_power_cap", "hw_thermal_slowdown"]})
 
 
+
+def test_a_replay_the_host_enqueued_late_is_timed_again_then_flagged():
+    """The graph basis's check (detail/timing.py): a call whose replay the host finished enqueueing
+    after the hold ran out is timed again, up to RETIMES times; still late, the burst names it and its
+    round is left out (the device may have waited for the host inside the timed span)."""
+    from harness.measure.detail.telemetry import late_replay
+    from harness.measure.detail.timing import RETIMES, retimed_burst
+
+    # (ms, enqueue us, late): call 1 is late once, then fine; call 2 is fine at once
+    script = iter([(2.8, 3300.0, True), (0.21, 240.0, False), (0.22, 250.0, False)])
+    times = retimed_burst(lambda: next(script), 2)
+    assert times.ms == [0.21, 0.22] and times.retimed == 1 and times.late == 0 and times.enqueue_us == 3300.0
+    assert late_replay(times.late) is None
+    always_late = retimed_burst(lambda: (1.0, 2000.0, True), 1)
+    assert always_late.retimed == RETIMES and always_late.late == 1 and always_late.ms == [1.0]
+    assert "host late for 1 replay" in late_replay(always_late.late)
+
+
+def test_retimed_calls_are_counted_and_a_late_burst_leaves_its_round_out(tmp_path):
+    from harness.measure import model
+
+    path = tmp_path / "samples.jsonl"
+    lines = [model.MeasureStart("s1", model.ENGINE, {}).to_json()]
+    lines += [model.WorkerStart("s1", w, 0, side).to_json() for w, side in enumerate(("baseline", "candidate"))]
+    for r in range(3):
+        for w, side in enumerate(("baseline", "candidate")):
+            late = "host late for 1 replay(s): device waited inside the timing" if (r, w) == (2, 1) else None
+            lines.append(model.Burst("s1", w, 0, side, "small", "fwd", "graph", r, [1.0 + w], None, late, 250.0,
+                                     retimed=2 if (r, w) == (0, 0) else 0).to_json())
+        lines.append(model.RoundDone("s1", 0, "small", "fwd", "graph", r).to_json())
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    m = load_measurement(path)
+    key = ("small", "fwd", "graph")
+    assert m.series[key].n_rounds == 2 and m.excluded[key] == 1 and m.retimed[key] == 2
+    assert m.throttled == [(*key, 0, 2, "host late for 1 replay(s): device waited inside the timing")]
+
+
 COUNTING_OP = '''\
 CALLS = 0
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from harness import children, stats
 from harness.measure import stopping
 from harness.measure.detail.channel import Channel, ChannelClosed, ChannelTimeout
-from harness.measure.detail.telemetry import throttled
+from harness.measure.detail.telemetry import late_replay, throttled
 from harness.measure.model import (ENGINE, ROUND_FIELD, Burst, MeasureStart, RoundDone, RowEnd, RowMethod, WorkerEnd,
                                    WorkerJob, WorkerStart)
 from harness.progress import Progress, as_progress
@@ -558,11 +558,11 @@ class Driver:
                 self.progress.message(f"{row.name} {basis}: pair {pair.id} stops on this row: "
                                       f"{str(reply.get('error')).splitlines()[0]}")
                 return
-            why = throttled(reply.get("gpu"))
+            why = throttled(reply.get("gpu")) or late_replay(reply.get("late"))
             bad = bad or why
             bursts[w.side] = reply["ms"]
             self.write(Burst(self.attempt, w.id, pair.id, w.side, row.key[0], row.mode, basis, index,
-                             reply["ms"], reply.get("gpu"), why, reply.get("enqueue_us")))
+                             reply["ms"], reply.get("gpu"), why, reply.get("enqueue_us"), reply.get("retimed") or 0))
         self.write(RoundDone(self.attempt, pair.id, row.key[0], row.mode, basis, index))
         if bad is None:
             series.add(pair.id, stats.Round(**{ROUND_FIELD[s]: ms for s, ms in bursts.items()}))

@@ -7,7 +7,8 @@ to the run's samples.jsonl as it arrives, and read back by harness/records.py th
     worker_start   {attempt, worker, pair, side, pid, host, gpu, provenance}
     worker_end     {attempt, worker, status, error}
     row_method     {attempt, shape, mode, primary, bases, graph_reason, dims}
-    burst          {attempt, worker, pair, side, shape, mode, basis, round, ms, gpu, throttled, enqueue_us}
+    burst          {attempt, worker, pair, side, shape, mode, basis, round, ms, gpu, throttled, enqueue_us,
+                    retimed}
     round          {attempt, pair, shape, mode, basis, round}       every burst of that round is written
     row_end        {attempt, shape, mode, basis, reason, detail, pairs, rounds, rel_half_width}
 and, per worker and row, the first engine's kinds with `block` = the worker's id (records.py):
@@ -117,8 +118,9 @@ class Burst(Record):
     round: Index
     ms: Annotated[list[Ms], Field(min_length=1)]
     gpu: dict | None = None
-    throttled: str | None = None  # why the burst's clock cannot be trusted (the round is left out), or None
+    throttled: str | None = None  # why the burst cannot be trusted (the round is left out): its clock, a late replay
     enqueue_us: Finite | None = None  # the host's slowest enqueue of one call (detail/timing.py); None: not taken
+    retimed: Index = 0  # calls timed again because the host enqueued their replay after the hold ran out
 
 
 @dataclass

@@ -11,7 +11,7 @@ Commands (one JSON object each; every reply has "ok", and "error"/"trace" when n
     prepare      {shape, mode, graph}  build the row's inputs, warm it (compile, autotune; on a CPU only
                                        as many calls as declared), capture it as a CUDA graph when asked
                                        and possible -> {graph, graph_reason, warm_s, memory}
-    burst        {shape, mode, basis, calls}  time `calls` calls -> {ms, enqueue_us, gpu}
+    burst        {shape, mode, basis, calls}  time `calls` calls -> {ms, enqueue_us, retimed, late, gpu}
     release      {shape, mode, what}   free the row's graph ("graph") or all its state ("all")
     extras       {shape, mode, peak, stage_iters}  peak allocation of one eager call and `stage_iters`
                                        profiled calls -> {peak_bytes, calls: [[name, ms, stage], ...]}
@@ -135,15 +135,16 @@ class SideWorker:
             raise RuntimeError(f"row {shape}/{mode} has no graph on this worker")
         hold = basis == "graph"  # device time only; eager keeps the host's launch time in (module doc of timing)
         if state.checked:
-            ms, enqueue_us = time_burst(fn, calls, self.flush, hold)
+            times = time_burst(fn, calls, self.flush, hold)
         else:
             # no warm-up call ran (a CPU profile's warmup: 0): the first timed call's outputs are kept
             # for the finite check after the burst; failing it makes the burst an error, never data
             kept: list = []
-            ms, enqueue_us = time_burst(lambda: fn() if kept else kept.append(fn()), calls, self.flush, hold)
+            times = time_burst(lambda: fn() if kept else kept.append(fn()), calls, self.flush, hold)
             check_finite(kept[0])
             state.checked = True
-        return {"ms": ms, "enqueue_us": enqueue_us, "gpu": self.telemetry.read()}
+        return {"ms": times.ms, "enqueue_us": times.enqueue_us, "retimed": times.retimed, "late": times.late,
+                "gpu": self.telemetry.read()}
 
     def release(self, shape: str, mode: str, what: str) -> dict:
         state = self.rows.get((shape, mode))

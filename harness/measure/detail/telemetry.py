@@ -68,3 +68,9 @@ def throttled(reading: dict | None) -> str | None:
     if clock and top and clock < LOW_CLOCK_FRACTION * top and POWER_CAP not in reasons:
         return f"SM clock {clock} MHz < {LOW_CLOCK_FRACTION:.0%} of {top} MHz"
     return None
+
+
+def late_replay(late: int | None) -> str | None:
+    """Why a burst whose replays stayed late after every retime (detail/timing.py) cannot be trusted, or
+    None: the device may have waited for the host inside the timed span."""
+    return f"host late for {late} replay(s): device waited inside the timing" if late else None

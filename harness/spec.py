@@ -593,7 +593,9 @@ class MeasureSpec(Strict):
     engine: Literal["lockstep", "blocks"] = "lockstep"
     pairs: Count = Field(default=3, ge=2, le=64)
     max_pairs: Count = Field(default=8, ge=2, le=64)
-    calls_per_burst: Count = Field(default=5, ge=1, le=10_000)
+    # one call a side per round: the sides run ~5 ms apart, and a power-capped clock moving over tens of ms
+    # then touches both alike (H200: a round's noise 0.2-1.1% at 1 call, 2.1-3.7% at 5: docs/perf/measurement.md)
+    calls_per_burst: Count = Field(default=1, ge=1, le=10_000)
     min_rounds: Count = Field(default=10, ge=1, le=100_000)
     max_rounds: Count = Field(default=60, ge=1, le=100_000)  # per pair, row and basis
     target_half_width: Finite = Field(default=0.005, gt=0, lt=1)

@@ -17,11 +17,11 @@ def test_measure_settings_replace_the_files_and_name_the_outputs():
     loaded = load_experiment(ROOT / "experiments" / "power-aa.yaml")
     same, suffix = power_runs.with_measure(loaded, [])
     assert same is loaded and suffix == ""
-    changed, suffix = power_runs.with_measure(loaded, ["calls_per_burst=1", "min_rounds=30"])
-    assert (changed.exp.measure.calls_per_burst, changed.exp.measure.min_rounds) == (1, 30)
+    changed, suffix = power_runs.with_measure(loaded, ["calls_per_burst=5", "min_rounds=30"])
+    assert (changed.exp.measure.calls_per_burst, changed.exp.measure.min_rounds) == (5, 30)
     assert changed.exp.measure.max_pairs == loaded.exp.measure.max_pairs  # the rest as the file has it
-    assert loaded.exp.measure.calls_per_burst == 5  # the loaded experiment itself is untouched
-    assert suffix == "-calls_per_burst1-min_rounds30"
+    assert loaded.exp.measure.calls_per_burst == 1  # the loaded experiment itself is untouched
+    assert suffix == "-calls_per_burst5-min_rounds30"
 
 
 @pytest.mark.parametrize("setting,named", [("calls_per_bust=1", "calls_per_burst"), ("calls_per_burst", "KEY=VALUE"),

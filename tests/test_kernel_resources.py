@@ -1,0 +1,151 @@
+"""tools/kernel_resources.py: the op's Triton kernels found under the interpreter and compiled
+offline for sm_90 with Triton's bundled ptxas (CPU only, real compiles in a fresh Triton cache)."""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERIMENT = ROOT / "experiments" / "pkda-aa.yaml"
+SHAPE = "dense_K64_V128"  # pkda-aa's fixture shape: K != V, one chunk and a partial one (T=100)
+
+spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "tools" / "kernel_resources.py")
+kr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kr)
+
+
+@triton.jit
+def trivial_kernel(x, y, n, scale, BLOCK: tl.constexpr):
+    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = o < n
+    tl.store(y + o, tl.load(x + o, mask=m) * scale, mask=m)
+
+
+@triton.jit
+def hungry_kernel(x, y, N: tl.constexpr):
+    # eight [N] rows live at once: at N=1024 on one warp that is 8 x 32 fp32 a thread, more
+    # than the 255 registers a thread can have, so ptxas must spill
+    o = tl.arange(0, N)
+    a0 = tl.load(x + o)
+    a1 = tl.load(x + N + o)
+    a2 = tl.load(x + 2 * N + o)
+    a3 = tl.load(x + 3 * N + o)
+    a4 = tl.load(x + 4 * N + o)
+    a5 = tl.load(x + 5 * N + o)
+    a6 = tl.load(x + 6 * N + o)
+    a7 = tl.load(x + 7 * N + o)
+    s = a0 * a1 * a2 * a3 * a4 * a5 * a6 * a7
+    tl.store(y + o, s / a0 + s / a1 + s / a2 + s / a3 + s / a4 + s / a5 + s / a6 + s / a7)
+
+
+def launch(kernel, *args, **kwargs) -> dict:
+    """A launch as the discover step records it (the kernel object is a JITFunction, or an
+    InterpretedFunction under TRITON_INTERPRET=1: either way its .fn is the Python function)."""
+    fn = kernel.fn
+    return {"kernel": fn.__qualname__, "module": fn.__module__, "file": inspect.getsourcefile(fn),
+            "args": [kr.describe(a) for a in args], "kwargs": {k: kr.describe(v) for k, v in kwargs.items()}}
+
+
+@pytest.fixture(scope="module")
+def cache_env(tmp_path_factory):
+    """A fresh Triton cache: every kernel is really compiled (ptxas runs), none comes from disk."""
+    return {"TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton-cache"))}
+
+
+@pytest.fixture(scope="module")
+def pkda_run(tmp_path_factory, cache_env):
+    """The CLI on one small shape, fwd+bwd, bf16, every kernel, with --json."""
+    out = tmp_path_factory.mktemp("out") / "resources.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", cache_env["TRITON_CACHE_DIR"])
+        rc = kr.main([str(EXPERIMENT), "--shape", SHAPE, "--mode", "fwd+bwd", "--dtype", "bfloat16",
+                      "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def test_every_kernel_of_the_op_compiles_for_sm90(pkda_run):
+    rc, result = pkda_run
+    assert rc == 0, result["errors"]
+    assert result["errors"] == []
+    records = result["records"]
+    assert records and all("error" not in r for r in records)
+    assert all(r["registers"] > 0 for r in records)
+    assert all(r["shape"] == SHAPE and r["dtype"] == "bfloat16" for r in records)
+    kernels = {r["kernel"] for r in records}
+    # forward and backward: the backward's recompute and its own kernels are found
+    assert {"pkda_fwd_l2norm_kernel", "pkda_fwd_intra_kernel", "pkda_fwd_o_kernel", "pkda_bwd_intra_kernel",
+            "pkda_bwd_wy_dqkg_kernel", "pkda_bwd_l2norm_kernel"} <= kernels
+    h = result["header"]
+    assert h["triton"] == triton.__version__ and h["arch"] == 90 and h["ptxas"]
+    assert h["unique_compiles"] <= len(records)
+
+
+def test_autotune_spaces_are_whole_not_the_interpreters_first_config(pkda_run):
+    _, result = pkda_run
+    def warps(name):
+        return sorted(r["config"]["num_warps"] for r in result["records"] if r["kernel"] == name)
+
+    assert warps("pkda_bwd_intra_kernel") == [2, 4]           # PKDA_BWD_INTRA_WARPS's default space
+    assert warps("pkda_fwd_intra_kernel") == [4, 4, 8]        # (4,1), (8,1), (4,2)
+    stages = sorted(r["config"]["num_stages"] for r in result["records"] if r["kernel"] == "pkda_fwd_intra_kernel")
+    assert stages == [1, 1, 2]
+    atk = [r for r in result["records"] if r["kernel"] == "pkda_fwd_atk_local_kernel"]
+    assert sorted(r["config"]["kwargs"]["BK"] for r in atk) == ["32", "64"]  # a config's kwargs are constexprs
+    assert all(r["constexprs"]["BK"] == r["config"]["kwargs"]["BK"] for r in atk)
+    # a kernel launched without @triton.autotune keeps the launch's options (l2norm: num_warps=4)
+    assert all(r["config"]["num_warps"] == 4 and not r["autotuned"]
+               for r in result["records"] if r["kernel"] == "pkda_fwd_l2norm_kernel")
+
+
+def test_launch_variants_and_the_table(pkda_run):
+    _, result = pkda_run
+    atk = [r for r in result["records"] if r["kernel"] == "pkda_fwd_atk_kernel"]
+    assert {r["constexprs"]["STORE_A"] for r in atk} == {"True", "False"}  # forward and the backward's recompute
+    text = kr.format_table(result)
+    assert SHAPE in text and "pkda_bwd_intra_kernel" in text
+    assert "STORE_A=True" in text and "STORE_A=False" in text
+
+
+def test_an_env_knob_of_the_op_is_respected(cache_env):
+    """PKDA_BWD_INTRA_WARPS is read when kernels/pkda/bwd.py is imported: both steps see it."""
+    result = kr.measure(EXPERIMENT, [SHAPE], env={**cache_env, "PKDA_BWD_INTRA_WARPS": "8"},
+                        kernel="pkda_bwd_intra_kernel")
+    assert result["errors"] == []
+    assert [r["config"]["num_warps"] for r in result["records"]] == [8]
+    assert result["header"]["env"]["PKDA_BWD_INTRA_WARPS"] == "8"
+
+
+def test_a_register_hungry_kernel_spills_and_a_trivial_one_does_not(cache_env):
+    x = torch.empty(8 * 1024, dtype=torch.float32)
+    launches = [launch(trivial_kernel, x, x, 1000, 0.5, BLOCK=256, num_warps=4),
+                launch(hungry_kernel, x, x, N=1024, num_warps=1, num_stages=1)]
+    out = kr.compile_launches(launches, cache_env)
+    trivial, hungry = sorted(out["results"], key=lambda r: r["launch"])
+    assert "error" not in trivial and "error" not in hungry
+    assert trivial["registers"] > 0 and not trivial["spills"]
+    assert trivial["stack_bytes"] == trivial["local_bytes"] == trivial["spill_stores"] == trivial["spill_loads"] == 0
+    # ptxas puts the spill slots in the stack frame (cuobjdump's LOCAL stays 0 on this toolchain)
+    assert hungry["spills"] and hungry["registers"] >= 200
+    assert hungry["stack_bytes"] > 0 and hungry["spill_stores"] > 0 and hungry["spill_loads"] > 0
+    assert trivial["config"]["num_warps"] == 4 and hungry["config"]["num_warps"] == 1
+
+
+def test_integer_and_pointer_specialisation_follows_the_launcher(cache_env):
+    x = torch.empty(4096, dtype=torch.bfloat16)
+    launches = [launch(trivial_kernel, x, x, 1024, 0.5, BLOCK=256),    # n % 16 == 0: divisible
+                launch(trivial_kernel, x, x[1:], 1000, 0.5, BLOCK=256),  # y 2 bytes off: not aligned
+                launch(trivial_kernel, x, x, 1, 0.5, BLOCK=256)]         # n == 1: a constexpr
+    out = sorted(kr.compile_launches(launches, cache_env)["results"], key=lambda r: r["launch"])
+    assert [r.get("error") for r in out] == [None] * 3
+    assert out[0]["divisible16"] == ["n", "x", "y"] and out[0]["signature"]["x"] == "*bf16"
+    assert out[1]["divisible16"] == ["x"] and out[1]["signature"]["n"] == "i32"
+    assert out[2]["constexprs"]["n"] == "1" and out[2]["signature"]["n"] == "constexpr"
+    assert out[0]["signature"]["scale"] == "fp32"
+    assert out[0]["config"]["num_stages"] == 3  # Triton's CUDA default when the launch gives none

@@ -5,8 +5,8 @@
 Each run is a whole `harness run` (its own run id, its own worker pairs); this parent process is
 reused between runs only to save its start-up (it measures nothing). Per run and row it records the
 gates' statuses, each basis's speedup interval and relative half-width, the A/A control's interval,
-pairs, rounds, what ended the rounds, and the run's wall time; then prints a table and writes
-power-<experiment>.json (and the table as .txt) under --out (default $OUT, else profile/power/).
+pairs, rounds, rounds left out, calls re-timed (late replays), what ended the rounds, and the run's
+wall time; then prints a table and writes power-<experiment>.json (and the table as .txt) under --out (default $OUT, else profile/power/).
 The instrument's acceptance (issue 17) is read off that table: see docs/perf/measurement.md.
 """
 from __future__ import annotations
@@ -38,7 +38,8 @@ def summarize_run(report: dict, seconds: float) -> dict:
             bases[name] = {"point": sp["point"], "lo": sp["lo"], "hi": sp["hi"], "rel_half_width": sp["rel_half_width"],
                            "aa_point": aa.get("point"), "aa_lo": aa.get("lo"), "aa_hi": aa.get("hi"),
                            "aa_rel_half_width": aa.get("rel_half_width"), "pairs": b["pairs"], "rounds": b["rounds"],
-                           "excluded_rounds": b["excluded_rounds"], "stop": (b.get("stop") or {}).get("reason"),
+                           "excluded_rounds": b["excluded_rounds"], "retimed_calls": b.get("retimed_calls", 0),
+                           "stop": (b.get("stop") or {}).get("reason"),
                            "stop_seconds": (b.get("stop") or {}).get("seconds"),
                            "baseline_median_ms": b["baseline"]["median"], "candidate_median_ms": b["candidate"]["median"]}
         rows.append({"row": r["name"], "primary": r["primary_basis"], "graph_reason": r.get("graph_reason"),
@@ -52,7 +53,7 @@ def summarize_run(report: dict, seconds: float) -> dict:
 
 def table(runs: list[dict]) -> list[str]:
     lines = ["run  verdict       seconds  row                            basis  speedup [95%]                 +-hw      "
-             "A/A [95%]                     pairs rounds stop      gates"]
+             "A/A [95%]                     pairs rounds left retimed stop      gates"]
     for i, run in enumerate(runs):
         first = True
         for row in run["rows"]:
@@ -64,7 +65,7 @@ def table(runs: list[dict]) -> list[str]:
                 gates = " ".join(f"{k}={v}" for k, v in run["gates"].items()) if first else ""
                 lines.append(f"{i:<4} {run['verdict'] if first else '':<13} {run['seconds'] if first else 0:7.1f}  "
                              f"{row['row']:<30} {basis:<6} {iv:<29} {hw:<9} {aa:<29} {b['pairs']:>5} {b['rounds']:>6} "
-                             f"{b['stop'] or '-':<9} {gates}")
+                             f"{b['excluded_rounds']:>4} {b.get('retimed_calls', 0):>7} {b['stop'] or '-':<9} {gates}")
                 first = False
     return lines
 

@@ -29,6 +29,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 _live: dict[int, subprocess.Popen] = {}  # pid -> a started child whose group may still have processes
 _live_lock = threading.RLock()  # re-entrant: the signal handler may interrupt a holder in the main thread
+# The stop signal received, kept after the handler raised: a Stopped raised while a finaliser runs
+# (GitPython's Repo.__del__ during a garbage collection, say) is printed and dropped by Python, so
+# the run would go on with its workers killed; `raise_if_stopped` raises it again at the next step.
+_stop_signal: int | None = None
 
 
 class Stopped(BaseException):
@@ -70,6 +74,7 @@ def kill_all(reap: bool = True) -> None:
 
 def start(argv: list[str], env: dict | None = None, **popen_kwargs) -> subprocess.Popen:
     """subprocess.Popen in a process group of its own, registered so that it is killed with us."""
+    raise_if_stopped()  # no new worker after a stop signal, even one whose Stopped was swallowed
     env = dict(os.environ if env is None else env)
     env[PARENT_ENV] = str(os.getpid())
     proc = subprocess.Popen(argv, env=env, process_group=0, **popen_kwargs)
@@ -94,7 +99,20 @@ def run(argv: list[str], *, timeout: float | None = None, input: bytes | str | N
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+def stop_signal() -> int | None:
+    """The stop signal this process got since `install_signal_handlers`, or None."""
+    return _stop_signal
+
+
+def raise_if_stopped() -> None:
+    """Raise `Stopped` again if a stop signal came, whatever became of the first one."""
+    if _stop_signal is not None:
+        raise Stopped(_stop_signal)
+
+
 def _on_stop_signal(signum, frame):
+    global _stop_signal
+    _stop_signal = signum
     kill_all(reap=False)  # first: threads waiting on workers see them end, and nothing measures on without us
     raise Stopped(signum)
 
@@ -102,12 +120,16 @@ def _on_stop_signal(signum, frame):
 def install_signal_handlers() -> dict:
     """Route SIGTERM, SIGINT and SIGHUP to `Stopped` (main thread only); returns the previous
     handlers for `restore_signal_handlers`. Elsewhere (a thread) it does nothing."""
+    global _stop_signal
     if threading.current_thread() is not threading.main_thread():
         return {}
+    _stop_signal = None
     return {sig: signal.signal(sig, _on_stop_signal) for sig in STOP_SIGNALS}
 
 
 def restore_signal_handlers(previous: dict) -> None:
+    global _stop_signal
+    _stop_signal = None
     for sig, handler in previous.items():
         signal.signal(sig, handler)
 

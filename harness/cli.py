@@ -75,23 +75,32 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.children import Stopped, install_signal_handlers, restore_signal_handlers
+    from harness.children import Stopped, install_signal_handlers, raise_if_stopped, restore_signal_handlers, stop_signal
 
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
     previous = install_signal_handlers()
-    try:
-        return int(args.func(args) or 0)
-    except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except (Stopped, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+
+    def stopped(signum: int, e: BaseException) -> int:
         run = run_of(e)
         where = f"; run {run['run_dir']} is resumable: {run['resume']}" if run else ""
         print(f"harness: stopped by {signal.Signals(signum).name}; every worker was stopped{where}", file=sys.stderr)
         return 128 + signum
+
+    try:
+        code = int(args.func(args) or 0)
+        raise_if_stopped()  # a stop whose Stopped a finaliser swallowed is still a stop
+        return code
+    except BadInput as e:
+        if stop_signal() is not None:  # workers killed by a stop read as "did not start": not a setup error
+            return stopped(stop_signal(), e)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except (Stopped, KeyboardInterrupt) as e:
+        return stopped(e.signum if isinstance(e, Stopped) else signal.SIGINT, e)
     except Exception as e:
+        if stop_signal() is not None:
+            return stopped(stop_signal(), e)
         log = write_crash_log(e, argv, HARNESS_ROOT / "profile" / "logs")
         run = run_of(e)
         resume = f"; then resume: {run['resume']}" if run else ""

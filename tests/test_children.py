@@ -176,6 +176,31 @@ def test_sigint_stops_the_side_workers_too(temp_repo):
         cleanup(proc)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped Stopped, on purpose
+def test_a_stop_a_finaliser_swallowed_still_refuses_the_next_worker():
+    """Seen in CI: SIGINT landed while GitPython's Repo.__del__ ran; Python printed the Stopped and
+    dropped it, and the run went on without its killed workers past the test's 60 s."""
+    from harness import children
+
+    previous = children.install_signal_handlers()
+    try:
+        class Finalised:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # the handler runs here, inside __del__, whose exception Python ignores
+
+        Finalised()  # unreferenced at once: __del__ runs now
+        assert children.stop_signal() == signal.SIGINT
+        with pytest.raises(children.Stopped):
+            children.start([sys.executable, "-c", "pass"])
+        with pytest.raises(children.Stopped):
+            children.raise_if_stopped()
+    finally:
+        children.restore_signal_handlers(previous)
+    assert children.stop_signal() is None
+    children.raise_if_stopped()  # nothing pending once the handlers are restored
+
+
 def test_sigterm_mid_bench_then_resume_completes_every_block_once(temp_repo):
     repo = sleepy_repo(temp_repo)
     exp = repo.experiment("term-resume", "main", SPEEDUP, blocks=3, samples=2, engine="blocks")

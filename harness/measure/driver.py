@@ -315,6 +315,7 @@ class Driver:
                                          _now()))
                     self.progress.message(f"worker {w.id} ({w.side}, pair {pair.id}) did not start: "
                                           f"{str(hello.get('error')).splitlines()[0] if hello.get('error') else ''}")
+        children.raise_if_stopped()  # workers a stop killed are not workers that failed to start
         live = [p for p in new if p.alive]
         for p in new:
             if not p.alive:
@@ -536,6 +537,7 @@ class Driver:
             target = max(target, whole(d.rounds))
 
     def one_round(self, pair: Pair, row: RowPlan, basis: str, index: int, series: stats.Series) -> None:
+        children.raise_if_stopped()
         order = side_order(len(pair.workers), f"{self.attempt}:{pair.id}:{row.key}:{basis}", index)
         bursts: dict[str, list[float]] = {}
         bad = None

@@ -13,4 +13,4 @@ if [ "${HARNESS_NO_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 fi
 export TRITON_INTERPRET=1
-python -m pytest -q "$@"
+python -m pytest -q --durations=15 "$@"  # the slowest tests listed: CI must stay well inside 90 minutes

@@ -585,7 +585,9 @@ class MeasureSpec(Strict):
     `calls_per_burst` timed calls per side, the side order alternating), by `pairs` worker pairs
     (fresh processes) at first; per row and basis, rounds go on until the interval's half-width is at
     most `target_half_width` (a fraction: 0.005 = +-0.5%) or the row has used `row_budget_s` seconds,
-    adding pairs (up to `max_pairs`) when per-process offsets, not round-to-round noise, keep it wide.
+    adding pairs (up to `max_pairs`) when per-process offsets, not round-to-round noise, keep it wide;
+    when fewer pairs than that can hold a row at once (device memory, or `pairs_at_once`), the row's
+    pairs run in waves.
     `control`: a third worker per pair runs the baseline again, the A/A control whose interval is the
     run's noise floor. `engine: blocks`: the first engine (a fresh process per block, `blocks`,
     `samples_per_block`, `order`), kept as an option."""
@@ -604,6 +606,9 @@ class MeasureSpec(Strict):
     graph: bool = True  # try CUDA-graph capture of every row (eager only when false)
     eager: bool = True  # measure eager timing too where the primary basis is graph
     secondary_rounds: Count = Field(default=10, ge=1, le=100_000)  # rounds of a basis no gate reads
+    # the most pairs that hold a row at once (rounds pass from pair to pair among them); more pairs of
+    # the row run in later waves, up to max_pairs. Unset: as many as device memory holds
+    pairs_at_once: Count | None = Field(default=None, ge=1, le=64)
 
     @model_validator(mode="after")
     def _ordered(self) -> "MeasureSpec":

@@ -339,6 +339,31 @@ def test_driver_killed_then_resumed_counts_every_round_once(tmp_path):
     assert all(len(series.pairs.get(p, [])) <= 12 for _, p, _ in partial)
 
 
+@pytest.mark.slow
+def test_pairs_that_cannot_hold_a_row_at_once_measure_it_in_waves(tmp_path):
+    """One pair at a time may hold the row (pairs_at_once: 1, as device memory allows on a large row):
+    the first wave is one of the two pairs started, the rule asks for more pairs, the holder releases
+    the row, the pair that waited takes it, then a fresh pair; every pair's rounds run together (no
+    other pair's burst between them) and all three count in the interval, which a cap on pairs could
+    never give (one pair has no interval)."""
+    root, sha = sleep_repo(tmp_path / "repo")
+    exp = experiment(root, sha, "waves", {}, "- {kind: non_regression, name: nr, rows: all, modes: [fwd], margin: 0.5}\n",
+                     "{pairs: 2, max_pairs: 3, pairs_at_once: 1, min_rounds: 2, max_rounds: 2, calls_per_burst: 1, "
+                     "target_half_width: 0.00001, row_budget_s: 60, control: false, secondary_rounds: 2}")
+    res = harness(*run_args(root, exp), cwd=root, env={"FAKE_MS": "2"})
+    assert res.returncode in (0, 3), res.stdout + res.stderr
+    recs = read_jsonl(next((root / "profile" / "waves" / "runs").glob("*/samples.jsonl")))
+    starts = [r["pair"] for r in recs if r["type"] == "worker_start"]
+    assert sorted(set(starts)) == [0, 1, 2], starts  # 2 at first, the third started for the last wave
+    bursts = [r["pair"] for r in recs if r["type"] == "burst"]
+    runs = [p for i, p in enumerate(bursts) if i == 0 or bursts[i - 1] != p]
+    assert sorted(runs) == [0, 1, 2], bursts  # one contiguous run of bursts per pair: waves, not interleaved
+    assert all(bursts.count(p) == 2 * 2 for p in (0, 1, 2)), bursts  # 2 rounds of 2 sides each
+    [end] = [r for r in recs if r["type"] == "row_end"]
+    assert end["reason"] == "limit" and "in waves" in end["detail"] and "pairs_at_once" in end["detail"], end
+    assert end["pairs"] == 3 and end["rounds"] == 6, end
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

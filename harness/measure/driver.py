@@ -231,8 +231,11 @@ class Driver:
         self.sides = ["baseline", "candidate"] + (["control"] if self.spec.control else [])
         self.pairs: list[Pair] = []
         self.cannot_start: str | None = None  # set when a whole batch of new pairs failed to start
-        # row key -> (pairs that could hold it, why no more): set when device memory held fewer than were live
-        self.memory_cap: dict[tuple[str, str], tuple[int, str]] = {}
+        # row key -> (pairs that held it at once, why no more): set when device memory or pairs_at_once
+        # held fewer than were asked to prepare it; the row's further pairs run in waves
+        self.at_once: dict[tuple[str, str], tuple[int, str]] = {}
+        self.offered: dict[tuple[str, str], set[int]] = {}  # row key -> pairs this session asked to prepare it
+        self.training_jobs: dict[tuple[str, str], tuple[dict, int]] = {}  # training row key -> (job row, tokens)
         self.started_any = False  # whether any pair of this session started
         self.known = load_measurement(self.samples_path)
         self.next_worker = max((w.index for w in self.known.workers), default=-1) + 1
@@ -383,10 +386,19 @@ class Driver:
         footprint = max((m["peak_reserved"] for m in measured), default=0)
         waiting = [(p.id, sum(q is p for q, _ in rest)) for p in pairs]  # workers of each pair still to prepare
         fit, why = pairs_that_fit(waiting, measured[-1] if measured else None, footprint)
+        held = sum(1 for p in self.pairs if p.alive and row.key in p.rows)
+        at_once = self.spec.pairs_at_once
+        if at_once is not None and held + len(fit) > at_once:
+            # the leaders' pairs first: they hold the row already
+            keep = sorted(fit, key=lambda pid: next(n for q, n in waiting if q == pid))[:max(at_once - held, 0)]
+            fit, why = set(keep), f"at most {at_once} pairs hold a row at once (measure.pairs_at_once)"
         if why:
-            held = sum(1 for p in self.pairs if p.alive and row.key in p.rows) + len(fit)
-            self.memory_cap[row.key] = (held, why)
-            self.progress.message(f"{row.name}: {len(pairs) - len(fit)} pair(s) left out of this row: {why}")
+            self.at_once[row.key] = (held + len(fit), why)
+            self.progress.message(f"{row.name}: {len(pairs) - len(fit)} pair(s) wait for a later wave of this row: {why}")
+        self.offered.setdefault(row.key, set()).update(fit)
+        for pair, w in leaders:
+            if pair.id not in fit:  # a leader whose pair waits gives the row's memory back
+                self._release(pair, w, row.key, "all")
         rest = [(p, w) for p, w in rest if p.id in fit]
         self._prepare_batch(rest, message, replies, failed)
         for pair in pairs:
@@ -458,6 +470,45 @@ class Driver:
             self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
             p.rows.discard(row.key)
 
+    def _release(self, pair: Pair, w: WorkerHandle, key: tuple[str, str], what: str) -> None:
+        try:
+            w.request({"cmd": "release", "shape": key[0], "mode": key[1], "what": what}, TIMEOUTS["other"])
+        except WorkerLost as e:
+            self.lose(pair, e)
+
+    def more_pairs(self, row: RowPlan, basis: str, graph: bool, n: int, measured: set[int]) -> list[Pair]:
+        """Up to n more pairs that hold the row, ready for `basis`. Where fewer pairs than asked for
+        could hold the row at once (device memory, pairs_at_once: self.at_once), the pairs that hold
+        it now have done their rounds: they release it (their rounds stay in the series) and the next
+        wave prepares it, first from live pairs that waited (`measured`: pairs with rounds on this row
+        and basis, never asked again), then fresh pairs. On the H100 (2026-12-05) device memory held
+        2 of 8 pairs at B2_T16384_H16_D128 fwd+bwd (11.3 GiB a worker), and the row ended at +-1.26%
+        on t with 1 degree of freedom; the interval needs pairs, not pairs at the same moment."""
+        if row.key in self.at_once:
+            for p in self.live_pairs(row.key):
+                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+                p.rows.discard(row.key)
+        offered = self.offered.get(row.key, set())
+        take = [p for p in self.pairs if p.alive and row.key not in p.rows and p.id not in measured
+                and p.id not in offered][:n]
+        if len(take) < n and not self.cannot_start:
+            take += self.start_pairs(n - len(take))
+        if not take:
+            return []
+        replies = self.prepare(take, row, graph)
+        joined = []
+        for p in take:
+            if row.key not in p.rows:
+                continue
+            if basis == "graph" and not all(replies.get(w.id, {}).get("graph") for w in p.workers):
+                p.rows.discard(row.key)  # a pair that could not capture the row cannot join its graph basis
+                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+                continue
+            if graph and basis != "graph":
+                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
+            joined.append(p)
+        return joined
+
     def request_all(self, pair: Pair, message: dict, timeout: float = TIMEOUTS["other"]) -> list[dict] | None:
         replies = []
         for w in pair.workers:
@@ -511,29 +562,24 @@ class Driver:
                 return
             live = self.live_pairs(row.key)
             done_rounds = min((counts.get(p.id, 0) for p in live), default=0)
-            cap = self.memory_cap.get(row.key)
-            lim.max_pairs = min(self.spec.max_pairs, cap[0]) if cap else self.spec.max_pairs
+            cap = self.at_once.get(row.key)
+            # operator rows take further pairs in waves (more_pairs); a training row's pairs hold it at once
+            lim.max_pairs = min(self.spec.max_pairs, cap[0]) if cap and row.mode == TRAIN_MODE else self.spec.max_pairs
             # pairs of an earlier session of a resumed run count with their rounds, but cannot add more
             d = stopping.decide(iv, max(iv.n_blocks, len(live)), done_rounds, time.monotonic() - t0, lim)
             if cap and d.stop == "limit":
-                d.detail += f" ({cap[1]})"
+                d.detail += f" ({'in waves: ' if row.mode != TRAIN_MODE else ''}{cap[1]})"
             if d.stop:
                 self.end_row(row, basis, d.stop, d.detail, series, t0, iv)
                 return
             if d.add_pairs:
-                self.progress.message(f"{row.name} {basis}: {d.detail}; starting {d.add_pairs} more pair(s)")
-                new = [] if self.cannot_start else self.start_pairs(d.add_pairs)
+                wave = " in a new wave" if cap and row.mode != TRAIN_MODE else ""
+                self.progress.message(f"{row.name} {basis}: {d.detail}; {d.add_pairs} more pair(s){wave}")
+                new = (self.more_training_pairs(row, d.add_pairs) if row.mode == TRAIN_MODE
+                       else self.more_pairs(row, basis, graph, d.add_pairs, set(counts)))
                 if not new:
-                    self.end_row(row, basis, "limit", f"{d.detail}; no more pairs could start", series, t0, iv)
+                    self.end_row(row, basis, "limit", f"{d.detail}; no more pairs could take the row", series, t0, iv)
                     return
-                replies = self.prepare(new, row, graph)
-                for p in new:
-                    if row.key not in p.rows:
-                        continue
-                    if basis == "graph" and not all(replies.get(w.id, {}).get("graph") for w in p.workers):
-                        p.rows.discard(row.key)  # a pair that could not capture the row cannot join its graph basis
-                    elif graph and basis != "graph":
-                        self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
             target = max(target, whole(d.rounds))
 
     def one_round(self, pair: Pair, row: RowPlan, basis: str, index: int, series: stats.Series) -> None:
@@ -638,36 +684,8 @@ class Driver:
         if (*row.key, "eager") in self.known.row_ends:
             return
         self.ensure_pairs(self.spec.pairs)
-        job_row = self.training_job_row(self.loaded, trow)
-        tokens = trow.B * trow.T
-        footprint, memory = 0, None  # the largest warm-up peak of a worker so far, the latest reading
-        for pair in [p for p in self.pairs if p.alive]:
-            fit, why = pairs_that_fit([(pair.id, len(pair.workers))], memory, footprint)
-            if not fit:  # pairs prepare one after the other: the first that does not fit ends it
-                self.memory_cap[row.key] = (sum(1 for p in self.pairs if row.key in p.rows), why)
-                self.progress.message(f"{row.name}: pairs from {pair.id} on left out of this row: {why}")
-                break
-            ok = True
-            for w in pair.workers:
-                try:
-                    reply = w.request({"cmd": "train_prepare", "row": job_row}, TIMEOUTS["prepare"])
-                except WorkerLost as e:
-                    self.lose(pair, e)
-                    ok = False
-                    break
-                if reply.get("memory"):
-                    memory = reply["memory"]
-                    footprint = max(footprint, memory["peak_reserved"])
-                if not reply.get("ok"):
-                    self.write_kind("failure", w, shape=trow.name, mode=TRAIN_MODE, error=reply.get("error"),
-                                    trace=reply.get("trace"))
-                    ok = False
-                    break
-                for i, (ms, loss) in enumerate(reply["steps"]):
-                    self.write_kind("train_step", w, row=trow.name, step=i, warmup=True, ms=ms, loss=loss,
-                                    tokens=tokens)
-            if ok:
-                pair.rows.add(row.key)
+        job_row, tokens = self.training_job_row(self.loaded, trow), trow.B * trow.T
+        self.train_prepare([p for p in self.pairs if p.alive], row, job_row, tokens)
         self.write(RowMethod(self.attempt, trow.name, TRAIN_MODE, "eager", ["eager"],
                              "optimizer steps are timed eagerly", {"B": trow.B, "T": trow.T}))
         self.rounds(row, "eager", gated=True, graph=False)
@@ -683,6 +701,48 @@ class Driver:
                     summary = {k: reply.get(k) for k in ("first_loss", "final_loss", "peak_bytes", "params")}
                     self.write_kind("train_row", w, row=trow.name, tokens=tokens, config=config, **summary)
             pair.rows.discard(row.key)
+
+    def train_prepare(self, pairs: list[Pair], row: RowPlan, job_row: dict, tokens: int) -> list[Pair]:
+        """Each pair in turn builds the training row (model, optimizer, warm-up steps); the first pair
+        that device memory cannot hold beside the others ends it. Returns the pairs that joined."""
+        self.training_jobs[row.key] = (job_row, tokens)
+        footprint, memory = 0, None  # the largest warm-up peak of a worker so far, the latest reading
+        joined = []
+        for pair in pairs:
+            fit, why = pairs_that_fit([(pair.id, len(pair.workers))], memory, footprint)
+            if not fit:  # pairs prepare one after the other: the first that does not fit ends it
+                self.at_once[row.key] = (sum(1 for p in self.pairs if row.key in p.rows), why)
+                self.progress.message(f"{row.name}: pairs from {pair.id} on left out of this row: {why}")
+                break
+            ok = True
+            for w in pair.workers:
+                try:
+                    reply = w.request({"cmd": "train_prepare", "row": job_row}, TIMEOUTS["prepare"])
+                except WorkerLost as e:
+                    self.lose(pair, e)
+                    ok = False
+                    break
+                if reply.get("memory"):
+                    memory = reply["memory"]
+                    footprint = max(footprint, memory["peak_reserved"])
+                if not reply.get("ok"):
+                    self.write_kind("failure", w, shape=row.key[0], mode=TRAIN_MODE, error=reply.get("error"),
+                                    trace=reply.get("trace"))
+                    ok = False
+                    break
+                for i, (ms, loss) in enumerate(reply["steps"]):
+                    self.write_kind("train_step", w, row=row.key[0], step=i, warmup=True, ms=ms, loss=loss,
+                                    tokens=tokens)
+            if ok:
+                pair.rows.add(row.key)
+                joined.append(pair)
+        return joined
+
+    def more_training_pairs(self, row: RowPlan, n: int) -> list[Pair]:
+        """n fresh pairs for a training row, built as the first were (train_prepare)."""
+        new = [] if self.cannot_start else self.start_pairs(n)
+        job_row, tokens = self.training_jobs[row.key]
+        return self.train_prepare(new, row, job_row, tokens) if new else []
 
     # --- the whole measurement ---------------------------------------------------------------------
     def run(self) -> None:

@@ -125,6 +125,11 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+def release_message(key: tuple[str, str], what: str) -> dict:
+    """What a worker is sent to free a row (shape, mode): its graph only, or all it holds of it."""
+    return {"cmd": "release", "shape": key[0], "mode": key[1], "what": what}
+
+
 class WorkerLost(Exception):
     """A worker died or stopped answering; its pair can measure no more."""
 
@@ -390,7 +395,7 @@ class Driver:
         at_once = self.spec.pairs_at_once
         if at_once is not None and held + len(fit) > at_once:
             # the leaders' pairs first: they hold the row already
-            keep = sorted(fit, key=lambda pid: next(n for q, n in waiting if q == pid))[:max(at_once - held, 0)]
+            keep = sorted(fit, key=dict(waiting).get)[:max(at_once - held, 0)]
             fit, why = set(keep), f"at most {at_once} pairs hold a row at once (measure.pairs_at_once)"
         if why:
             self.at_once[row.key] = (held + len(fit), why)
@@ -460,19 +465,19 @@ class Driver:
                 continue
             if basis == "eager" and primary == "graph":
                 for p in self.live_pairs(row.key):
-                    self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
+                    self.request_all(p, release_message(row.key, "graph"))
             self.rounds(row, basis, gated=basis in gated, graph=primary == "graph")
         self.release_row(row)
 
     def release_row(self, row: RowPlan) -> None:
         """Every live pair that holds the row frees it and no longer counts as holding it."""
         for p in self.live_pairs(row.key):
-            self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+            self.request_all(p, release_message(row.key, "all"))
             p.rows.discard(row.key)
 
     def _release(self, pair: Pair, w: WorkerHandle, key: tuple[str, str], what: str) -> None:
         try:
-            w.request({"cmd": "release", "shape": key[0], "mode": key[1], "what": what}, TIMEOUTS["other"])
+            w.request(release_message(key, what), TIMEOUTS["other"])
         except WorkerLost as e:
             self.lose(pair, e)
 
@@ -485,9 +490,7 @@ class Driver:
         2 of 8 pairs at B2_T16384_H16_D128 fwd+bwd (11.3 GiB a worker), and the row ended at +-1.26%
         on t with 1 degree of freedom; the interval needs pairs, not pairs at the same moment."""
         if row.key in self.at_once:
-            for p in self.live_pairs(row.key):
-                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
-                p.rows.discard(row.key)
+            self.release_row(row)
         offered = self.offered.get(row.key, set())
         take = [p for p in self.pairs if p.alive and row.key not in p.rows and p.id not in measured
                 and p.id not in offered][:n]
@@ -502,10 +505,10 @@ class Driver:
                 continue
             if basis == "graph" and not all(replies.get(w.id, {}).get("graph") for w in p.workers):
                 p.rows.discard(row.key)  # a pair that could not capture the row cannot join its graph basis
-                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "all"})
+                self.request_all(p, release_message(row.key, "all"))
                 continue
             if graph and basis != "graph":
-                self.request_all(p, {"cmd": "release", "shape": row.key[0], "mode": row.mode, "what": "graph"})
+                self.request_all(p, release_message(row.key, "graph"))
             joined.append(p)
         return joined
 

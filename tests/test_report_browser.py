@@ -23,7 +23,9 @@ pytestmark = [
 # Scroll every section into view (sections below the fold are laid out when they come into view),
 # open every folded raw record, and measure what a reader would see.
 LAYOUT_PROBLEMS = """async () => {
-  const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  // two frames let a section scrolled into view lay out; the timer ends the wait if this page
+  // paints no frames (a headless page in the background may not), which once held CI for an hour
+  const frame = () => new Promise(r => { requestAnimationFrame(() => requestAnimationFrame(r)); setTimeout(r, 250); });
   const problems = [];
   const main = document.querySelector('main').getBoundingClientRect();
   document.querySelectorAll('details.raw, details.row-plots').forEach(d => d.open = true);

@@ -270,3 +270,29 @@ def test_per_pair_side_orders_keep_a_moment_out_of_the_interval(shock_round, sha
     assert coverage(shared, *shared_victim) < 0.2
     for num, den in (("base", "cand"), ("control", "base")):
         assert coverage(per_pair, num, den) >= 0.91, (num, den)
+
+
+def _stopping_coverage_tool():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "stopping_coverage.py"
+    spec = importlib.util.spec_from_file_location("stopping_coverage", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stopping_coverage_tool_runs_the_rule_to_its_stops():
+    """tools/stopping_coverage.py (docs/perf/pkda.md's long simulation) drives the harness's own rule:
+    quiet pairs resolve at the first look with the pairs they started with; per-process offsets far
+    above the target end on the limit with every pair the rule may add, at max_rounds."""
+    tool = _stopping_coverage_tool()
+    rng = np.random.default_rng(5)
+    lim = stopping.Limits(0.005, 10, 60, 12, math.inf)
+    iv, why = tool.simulate_row(rng, 0.0005, 0.001, lim, pairs=8)
+    assert why == "resolved" and iv.n_blocks == 8 and iv.n_rounds == 8 * tool.whole_cycles(10)
+    assert iv.lo <= 1.0 <= iv.hi or abs(math.log(iv.point)) < 0.002
+    iv, why = tool.simulate_row(rng, 0.05, 0.001, lim, pairs=8)
+    assert why == "limit" and iv.n_blocks == 12 and iv.rel_half_width > 0.005
+    assert tool.main(["--runs", "2"]) == 0

@@ -186,7 +186,10 @@ def _missing_side(name: str, series: stats.Series | None) -> str | None:
 def _failure_text(failures: list[dict]) -> str:
     first = failures[0]
     where = f"{first['shape']}/{first.get('mode')}, " if first.get("shape") else ""
-    return (f"{len(failures)} failure(s), first in block {first.get('block')} ({where}{first.get('side')}): "
+    # a lockstep failure is a worker's (its id is the record's block), the first engine's a block's
+    who = (f"worker {first.get('block')} of pair {first['pair']}" if first.get("pair") is not None
+           else f"block {first.get('block')}")
+    return (f"{len(failures)} failure(s), first in {who} ({where}{first.get('side')}): "
             f"{first.get('error')}")
 
 
@@ -631,7 +634,7 @@ def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerd
                 setattr(row, "base_peak" if side == "baseline" else "cand_peak", max(peaks))
     for w in workers:
         for f in w.failures:
-            rec = {"block": w.index, "side": w.side, **f}
+            rec = {"block": w.index, "side": w.side, **({"pair": w.pair} if w.pair is not None else {}), **f}
             ev.failures.append(rec)
             row = ev.rows.get((f.get("shape"), f.get("mode")))
             if row is not None:
@@ -639,7 +642,8 @@ def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerd
             if f.get("mode") == TRAIN_MODE:
                 ev.training_failures.setdefault(f.get("shape"), []).append(rec)
         if w.status == "failed":
-            rec = {"block": w.index, "side": w.side, "shape": None, "mode": None,
+            rec = {"block": w.index, "side": w.side, **({"pair": w.pair} if w.pair is not None else {}),
+                   "shape": None, "mode": None,
                    "error": w.error or ("block failed" if not lockstep else "worker lost")}
             ev.failures.append(rec)
             for row in ev.rows.values():

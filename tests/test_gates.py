@@ -84,6 +84,15 @@ def test_row_with_a_failed_block_cannot_pass():
     assert r.status == "INCONCLUSIVE" and "OOM" in r.reason
     r = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 5.0}, ev)
     assert r.status == "FAIL"  # clear evidence against still fails
+    assert "first in block 3 (candidate)" in r.reason
+
+
+def test_a_lockstep_failure_names_the_worker_and_its_pair():
+    ev = ev_with({("dense", "fwdbwd"): paired([3.0] * 4)})
+    ev.rows[("dense", "fwdbwd")].failures.append({"block": 6, "pair": 2, "side": "candidate", "shape": "dense",
+                                                   "mode": "fwdbwd", "error": "OutOfMemoryError"})
+    r = one({"name": "g", "kind": "speedup", "row": "dense", "threshold": 1.0}, ev)
+    assert "first in worker 6 of pair 2 (dense/fwdbwd, candidate): OutOfMemoryError" in r.reason
 
 
 def test_one_block_pair_is_inconclusive():

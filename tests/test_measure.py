@@ -151,6 +151,10 @@ def test_pairs_that_fit_in_device_memory():
     # a smaller pair later in the order still fits in what is left
     fit, _ = pairs_that_fit([(0, 3), (1, 3), (2, 1)], {"free": free, "total": total}, 11 * gib)
     assert fit == {0, 2}
+    # the leaders' memory they gave back after preparing and will take again is not room
+    fit, _ = pairs_that_fit([(0, 2), (1, 2), (2, 3)], {"free": free, "total": total}, 11 * gib, regrow=2 * 11 * gib)
+    assert fit == {0}
+    assert pairs_that_fit([(0, 2), (1, 2), (2, 3)], {"free": free, "total": total}, 11 * gib)[0] == {0, 1}
     # without a reading (a CPU run) or a footprint there is no limit
     assert pairs_that_fit([(0, 3), (1, 3)], None, 11 * gib) == ({0, 1}, "")
     assert pairs_that_fit([(0, 3), (1, 3)], {"free": 0, "total": total}, 0) == ({0, 1}, "")

@@ -74,7 +74,8 @@ def side_order(n_sides: int, key: str, index: int) -> tuple[int, ...]:
 MEMORY_HEADROOM = 0.08  # of the device's total
 
 
-def pairs_that_fit(needs: list[tuple[int, int]], memory: dict | None, footprint: int) -> tuple[set[int], str]:
+def pairs_that_fit(needs: list[tuple[int, int]], memory: dict | None, footprint: int,
+                   regrow: int = 0) -> tuple[set[int], str]:
     """Which pairs (in order) can also prepare a row, and why the others cannot.
 
     All pairs of a row hold it at once (rounds go from pair to pair), so a large row times the
@@ -82,11 +83,13 @@ def pairs_that_fit(needs: list[tuple[int, int]], memory: dict | None, footprint:
     B4_T4096_H64_D128 fwd+bwd). `needs`: (pair id, workers of it still to prepare the row);
     `memory`: the last reading of a worker that prepared it ({"free", "total"} bytes, the device's,
     every process counted), or None without CUDA (no limit); `footprint`: the most bytes one worker
-    reserved while preparing it (its peak: the others prepare at once)."""
+    reserved while preparing it (its peak: the others prepare at once); `regrow`: what the workers
+    that already prepared it gave back after preparing and will take again in their rounds (their
+    peak less what they hold now: the free reading does not count it)."""
     ids = {pid for pid, _ in needs}
     if not memory or footprint <= 0:
         return ids, ""
-    room = memory["free"] - MEMORY_HEADROOM * memory["total"]
+    room = memory["free"] - MEMORY_HEADROOM * memory["total"] - regrow
     fit = set()
     for pid, n in needs:
         if n * footprint <= room:
@@ -389,8 +392,12 @@ class Driver:
             self._prepare_batch(batch, message, replies, failed)
         measured = [replies[w.id]["memory"] for _, w in leaders if (replies.get(w.id) or {}).get("memory")]
         footprint = max((m["peak_reserved"] for m in measured), default=0)
+        # a leader frees its cached blocks after preparing and takes them again in its rounds: on an
+        # H100 (2026-12-05) B1_T8192_H96_D128 fwd+bwd let 3 pairs of 9.2 GiB workers in on a reading
+        # taken while the leaders held less, and a pair ran out of memory in the rounds
+        regrow = sum(max(m["peak_reserved"] - m.get("reserved", m["peak_reserved"]), 0) for m in measured)
         waiting = [(p.id, sum(q is p for q, _ in rest)) for p in pairs]  # workers of each pair still to prepare
-        fit, why = pairs_that_fit(waiting, measured[-1] if measured else None, footprint)
+        fit, why = pairs_that_fit(waiting, measured[-1] if measured else None, footprint, regrow)
         held = sum(1 for p in self.pairs if p.alive and row.key in p.rows)
         at_once = self.spec.pairs_at_once
         if at_once is not None and held + len(fit) > at_once:

@@ -17,6 +17,7 @@ from harness import gates as G
 from harness import stats
 from harness.profile import pregate_terminal
 from harness.errors import BadInput
+from harness.measure.detail import autotune
 from harness.records import Block, Damage, Measurement, declared_side, load_measurement, read_jsonl
 from harness.spec import GeomeanGate, LoadedExperiment, Shape
 
@@ -441,7 +442,23 @@ def _measurement_section(m: Measurement, run: dict, rows: list[dict]) -> dict:
         "throttled_rounds": [{"shape": s, "mode": mo, "basis": b, "pair": p, "round": i, "why": why}
                              for s, mo, b, p, i, why in m.throttled],
         "aa_control": {"intervals": len(aa), "containing_one": len(aa) - len(misses), "misses": misses},
+        "autotune": _autotune_section(m),
     }
+
+
+def _autotune_section(m: Measurement) -> dict | None:
+    """Did every worker run the same tuned configs? Per row, the (kernel, tuning key) on which the
+    workers that prepared it chose differently (measure/detail/autotune.py); None for a run recorded
+    before workers reported their choices."""
+    if not m.configs:
+        return None
+    differences, tuned = [], set()
+    for (shape, mode), by_worker in sorted(m.configs.items()):
+        choices = list(by_worker.values())
+        tuned |= {(k, key) for _, kernels in choices for k, keys in kernels.items() for key in keys}
+        differences += [{"row": f"{shape}/{mode}", **d} for d in autotune.disagreements(choices)]
+    return {"rows": len(m.configs), "workers": len({w for by in m.configs.values() for w in by}),
+            "tuned": len(tuned), "differences": differences}
 
 
 def _aa_noise(run: dict, rows: list[dict]) -> float | None:

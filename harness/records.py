@@ -401,6 +401,8 @@ class Measurement:
     methods: dict = field(default_factory=dict)  # (shape, mode) -> the latest measure.model.RowMethod
     row_ends: dict = field(default_factory=dict)  # (shape, mode, basis) -> the latest measure.model.RowEnd
     throttled: list = field(default_factory=list)  # (shape, mode, basis, pair, round, why) of left-out rounds
+    # (shape, mode) -> {worker: (side, its process's autotune choices)} when it last prepared the row
+    configs: dict = field(default_factory=dict)
 
 
 def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> Measurement:
@@ -434,6 +436,8 @@ def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> 
                     sides["baseline"].ms, sides["candidate"].ms, sides["control"].ms if "control" in sides else None))
         elif isinstance(rec, model.RowMethod):
             m.methods[(rec.shape, rec.mode)] = rec
+        elif isinstance(rec, model.RowPrepared):
+            m.configs.setdefault((rec.shape, rec.mode), {})[rec.worker] = (rec.side, rec.configs)
         elif isinstance(rec, model.RowEnd):
             m.row_ends[(rec.shape, rec.mode, rec.basis)] = rec
     return m

@@ -219,6 +219,45 @@ def test_known_costs_and_the_aa_control(tmp_path):
     for (p, b, i), sides in by_round.items():
         cycles.setdefault((p, b, i // 6), []).append(tuple(sides))
     assert cycles and all(len(set(c)) == 6 for c in cycles.values() if len(c) == 6), cycles
+    # every worker that timed the row said what its autotuners chose (nothing to choose on a CPU)
+    prepared = {r["worker"]: r for r in recs if r["type"] == "row_prepared"}
+    timed = {r["worker"] for r in recs if r["type"] == "burst"}
+    assert timed <= set(prepared) and all(r["configs"] == {} for r in prepared.values())
+    at = report["measurement"]["autotune"]
+    assert at["tuned"] == 0 and at["differences"] == [] and at["workers"] == len(prepared)
+
+
+def test_autotune_choices_of_a_process_and_where_workers_disagree(monkeypatch):
+    """detail/autotune.py finds a module's autotuned kernel and what it chose per tuning key; workers
+    disagree only where they chose differently for the same kernel and key."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    from harness.measure.detail.autotune import chosen_configs, disagreements
+
+    @triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32}, num_warps=8)], key=["n"])
+    @triton.jit
+    def add_one(x, n, B: tl.constexpr):
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        tl.store(x + i, tl.load(x + i, mask=i < n) + 1, mask=i < n)
+
+    module = types.ModuleType("fake_kernels")
+    module.add_one = add_one
+    monkeypatch.setitem(sys.modules, "fake_kernels", module)
+    assert "fake_kernels.add_one" not in chosen_configs()  # nothing tuned yet: no choice to report
+    add_one.cache[(64, "torch.float32")] = add_one.configs[1]
+    found = chosen_configs()["fake_kernels.add_one"]
+    assert found == {"(64, 'torch.float32')": str(add_one.configs[1])} and "B: 32" in found["(64, 'torch.float32')"]
+
+    same = {"k.f": {"(64,)": "B: 32"}}
+    assert disagreements([("baseline", same), ("candidate", same), ("control", same)]) == []
+    # a kernel only one side has is not a disagreement; a side whose workers differ is
+    other = {"k.f": {"(64,)": "B: 16"}, "k.g": {"(8,)": "B: 16"}}
+    d = disagreements([("baseline", same), ("baseline", other), ("candidate", same)])
+    assert d == [{"kernel": "k.f", "key": "(64,)", "by_side": {"baseline": {"B: 32": 1, "B: 16": 1},
+                                                                "candidate": {"B: 32": 1}}}]
 
 
 def test_each_pair_takes_whole_cycles_of_side_orders_in_its_own_order():

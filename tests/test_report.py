@@ -398,3 +398,20 @@ def test_recorded_command_reads_as_typed(monkeypatch):
     assert invoked_command() == "harness run 'experiments/a b.yaml' --run-id h200"
     monkeypatch.setattr("sys.argv", ["/usr/bin/harness", "report", "e.yaml"])
     assert invoked_command() == "harness report e.yaml"
+
+
+def test_autotune_choices_show_under_the_speedup_table():
+    """measurement.autotune (analyse._autotune_section) on the page: a sentence when every worker ran
+    the same configs, and a table per differing kernel and key when some did not, escaped."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "reports" / "pkda-aa" / "h100-1205" / "report.json").read_text())
+    data["measurement"]["autotune"] = {"rows": 10, "workers": 24, "tuned": 31, "differences": []}
+    page = report.render_html(data)
+    assert "all 24 workers ran the same configs" in page and 'id="autotune-table"' not in page
+    data["measurement"]["autotune"]["differences"] = [
+        {"row": "B4_T2048_H16_D128/fwdbwd", "kernel": "kernels.pkda.bwd.pkda_bwd_intra_kernel", "key": "(2048, '<b>')",
+         "by_side": {"baseline": {"num_warps: 4": 8}, "candidate": {"num_warps: 4": 7, "num_warps: 8": 1}}}]
+    page = report.render_html(data)
+    assert "workers chose differently</b> for 1" in page and 'id="autotune-table"' in page
+    assert "num_warps: 8 (1)" in page and "(2048, &#39;&lt;b&gt;&#39;)" in page
+    del data["measurement"]["autotune"]  # a report from before: no line
+    assert 'id="autotune"' not in report.render_html(data)

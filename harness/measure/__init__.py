@@ -5,7 +5,8 @@ comparison is measured"), all in this package.
     worker.py         a side worker: one long-lived process per side and pair, warmed once, timing bursts
     stopping.py       when a row is measured enough (half-width target or time budget)
     model.py          the records and messages driver and workers share, and their one JSON form
-    detail/           mechanisms: the pipe, CUDA-graph capture and burst timing, NVML telemetry
+    detail/           mechanisms: the pipe, CUDA-graph capture and burst timing, NVML telemetry,
+                      the autotune configs each worker's process chose
     call.py           calling a side's op and timing it: load_inputs, load_op, Call, Timer, peak_bytes, ...
                       (every measured process of the harness uses them: profile, ncu, warm, agreement too)
     sides.py          how a side's process is set up: BenchSettings, side_op, side_env (its env and the

@@ -33,8 +33,8 @@ from harness import children, stats
 from harness.measure import stopping
 from harness.measure.detail.channel import Channel, ChannelClosed, ChannelTimeout
 from harness.measure.detail.telemetry import late_replay, throttled
-from harness.measure.model import (ENGINE, ROUND_FIELD, Burst, MeasureStart, RoundDone, RowEnd, RowMethod, WorkerEnd,
-                                   WorkerJob, WorkerStart)
+from harness.measure.model import (ENGINE, ROUND_FIELD, Burst, MeasureStart, RoundDone, RowEnd, RowMethod, RowPrepared,
+                                   WorkerEnd, WorkerJob, WorkerStart)
 from harness.progress import Progress, as_progress
 from harness.records import append_jsonl, declared_side, load_measurement
 from harness.revisions import Revisions, check_unmoved
@@ -446,6 +446,8 @@ class Driver:
                                       f"failed to prepare: {str(reply.get('error')).splitlines()[0]}")
                 continue
             replies[w.id] = reply
+            self.write(RowPrepared(self.attempt, w.id, pair.id, w.side, message["shape"]["name"], message["mode"],
+                                   reply.get("configs") or {}))
 
     def measure_row(self, row: RowPlan) -> None:
         done = {b for (s, m, b) in self.known.row_ends if (s, m) == row.key}
@@ -740,6 +742,8 @@ class Driver:
                                     trace=reply.get("trace"))
                     ok = False
                     break
+                self.write(RowPrepared(self.attempt, w.id, pair.id, w.side, row.key[0], TRAIN_MODE,
+                                       reply.get("configs") or {}))
                 for i, (ms, loss) in enumerate(reply["steps"]):
                     self.write_kind("train_step", w, row=row.key[0], step=i, warmup=True, ms=ms, loss=loss,
                                     tokens=tokens)

@@ -7,6 +7,8 @@ to the run's samples.jsonl as it arrives, and read back by harness/records.py th
     worker_start   {attempt, worker, pair, side, pid, host, gpu, provenance}
     worker_end     {attempt, worker, status, error}
     row_method     {attempt, shape, mode, primary, bases, graph_reason, dims}
+    row_prepared   {attempt, worker, pair, side, shape, mode, configs}   a worker prepared the row: the
+                                                                    autotune configs its process chose
     burst          {attempt, worker, pair, side, shape, mode, basis, round, ms, gpu, throttled, enqueue_us,
                     retimed}
     round          {attempt, pair, shape, mode, basis, round}       every burst of that round is written
@@ -106,6 +108,22 @@ class RowMethod(Record):
 
 
 @dataclass
+class RowPrepared(Record):
+    """A worker prepared a row (a training row: mode "train"); `configs` is what every Triton
+    autotuner of its process had chosen by then, {module.kernel: {tuning key: config}}
+    (detail/autotune.py)."""
+
+    TYPE = "row_prepared"
+    attempt: Name
+    worker: Index
+    pair: Index
+    side: Name
+    shape: Name
+    mode: Name
+    configs: dict = field(default_factory=dict)
+
+
+@dataclass
 class Burst(Record):
     TYPE = "burst"
     attempt: Name
@@ -153,8 +171,8 @@ class RowEnd(Record):
     seconds: Ms | None = None
 
 
-RECORD_TYPES: dict[str, type[Record]] = {c.TYPE: c for c in (MeasureStart, WorkerStart, WorkerEnd, RowMethod, Burst,
-                                                               RoundDone, RowEnd)}
+RECORD_TYPES: dict[str, type[Record]] = {c.TYPE: c for c in (MeasureStart, WorkerStart, WorkerEnd, RowMethod, RowPrepared,
+                                                               Burst, RoundDone, RowEnd)}
 
 
 def parse(d: dict) -> Record | None:

@@ -10,12 +10,13 @@ command on its channel, and the driver, the run's only writer, records the answe
 Commands (one JSON object each; every reply has "ok", and "error"/"trace" when not ok):
     prepare      {shape, mode, graph}  build the row's inputs, warm it (compile, autotune; on a CPU only
                                        as many calls as declared), capture it as a CUDA graph when asked
-                                       and possible -> {graph, graph_reason, warm_s, memory}
+                                       and possible -> {graph, graph_reason, warm_s, memory, configs}
     burst        {shape, mode, basis, calls}  time `calls` calls -> {ms, enqueue_us, retimed, late, gpu}
     release      {shape, mode, what}   free the row's graph ("graph") or all its state ("all")
     extras       {shape, mode, peak, stage_iters}  peak allocation of one eager call and `stage_iters`
                                        profiled calls -> {peak_bytes, calls: [[name, ms, stage], ...]}
-    train_prepare {row}                build a training row and run its warm-up steps -> {steps: [[ms, loss]], memory}
+    train_prepare {row}                build a training row and run its warm-up steps -> {steps: [[ms, loss]], memory,
+                                       configs}
     train_burst  {name, steps}         `steps` timed optimizer steps -> {ms, losses, gpu}
     train_end    {name}                -> the row's summary (first/final loss, peak bytes, params)
     exit
@@ -34,6 +35,7 @@ import torch
 
 from harness.measure.call import (DTYPES, Call, check_finite, free_cuda, load_inputs, load_op, peak_bytes,
                                    warmup_calls)
+from harness.measure.detail.autotune import chosen_configs
 from harness.measure.detail.channel import Channel, ChannelClosed
 from harness.measure.detail.telemetry import Telemetry
 from harness.measure.detail.timing import L2Flush, capture, time_burst
@@ -126,7 +128,7 @@ class SideWorker:
             state.graph, reason = capture(call)
             free_cuda()  # the eager warm-up's cached blocks go back before the next worker warms
         return {"graph": state.graph is not None, "graph_reason": reason, "warm_s": time.perf_counter() - t0,
-                "memory": _memory()}
+                "memory": _memory(), "configs": chosen_configs()}
 
     def burst(self, shape: str, mode: str, basis: str, calls: int) -> dict:
         state = self.rows[(shape, mode)]
@@ -177,7 +179,7 @@ class SideWorker:
         memory = _memory()  # before reset_peak: the warm-up steps' peak is the row's footprint
         run.reset_peak()
         self.training[row["name"]] = run
-        return {"steps": steps, "memory": memory}
+        return {"steps": steps, "memory": memory, "configs": chosen_configs()}
 
     def train_burst(self, name: str, steps: int) -> dict:
         run = self.training[name]

@@ -108,30 +108,30 @@ class RowMethod(Record):
 
 
 @dataclass
-class RowPrepared(Record):
+class WorkerRow(Record):
+    """Base of what one worker did on one row."""
+
+    attempt: Name
+    worker: Index
+    pair: Index
+    side: Name
+    shape: Name
+    mode: Name
+
+
+@dataclass
+class RowPrepared(WorkerRow):
     """A worker prepared a row (a training row: mode "train"); `configs` is what every Triton
     autotuner of its process had chosen by then, {module.kernel: {tuning key: config}}
     (detail/autotune.py)."""
 
     TYPE = "row_prepared"
-    attempt: Name
-    worker: Index
-    pair: Index
-    side: Name
-    shape: Name
-    mode: Name
     configs: dict = field(default_factory=dict)
 
 
 @dataclass
-class Burst(Record):
+class Burst(WorkerRow):
     TYPE = "burst"
-    attempt: Name
-    worker: Index
-    pair: Index
-    side: Name
-    shape: Name
-    mode: Name
     basis: Name
     round: Index
     ms: Annotated[list[Ms], Field(min_length=1)]

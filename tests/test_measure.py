@@ -203,7 +203,10 @@ def test_known_costs_and_the_aa_control(tmp_path):
     sp = eager["speedup"]
     assert 0.4 < sp["point"] < 0.6 and sp["hi"] < 1.0, sp
     aa = eager["aa_control"]
-    assert aa["lo"] <= 1.0 <= aa["hi"], aa
+    # identical code: 1.0 within the 95% interval, give or take 0.5% (a 95% interval misses 1 time in
+    # 20 by design, and on a sleep the interval is about 0.2% wide: a fresh-clone run once read
+    # [1.0001, 1.0036]); the biases this guards against were 1.5-10% (the profiler, docs/perf/pkda.md)
+    assert aa["lo"] - 0.005 <= 1.0 <= aa["hi"] + 0.005, aa
     assert eager["pairs"] >= 2 and eager["rounds"] >= 2 * 3 and eager["stop"]["reason"] in ("resolved", "budget", "limit")
     gates = {g["name"]: g for g in report["gates"]}
     assert gates["not-slower"]["status"] == "FAIL" and gates["nr"]["status"] == "FAIL"

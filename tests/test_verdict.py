@@ -89,6 +89,22 @@ def test_committed_lockstep_dAqk_forward_control_holds_one():
     assert gates["ncu-attribution"].status == "INCONCLUSIVE" and "missing evidence" in gates["ncu-attribution"].summary
 
 
+def test_committed_whole_dAqk_run_has_every_gate_and_the_forward_control_holds_one():
+    """pkda-dAqk run whole on the lockstep engine (an H100, 2026-12-05/06): the forward rows hold 1.0
+    on every row; every gate was measured (training rows and ncu included), none is missing evidence;
+    NO-GO."""
+    report = _committed("pkda-dAqk", "h100-1205")
+    assert report["provenance"]["device"]["name"].startswith("NVIDIA H100")
+    for r in (r for r in report["rows"] if r["mode"] == "fwd"):
+        sp = r["bases"][r["primary_basis"]]["speedup"]
+        assert sp["lo"] <= 1.0 <= sp["hi"], (r["name"], sp)
+    v = verdict.build_verdict(report)
+    assert v.verdict == "NO-GO"
+    assert not [g.name for g in v.gates if "missing evidence" in g.summary]
+    gates = {g.name: g.status for g in v.gates}
+    assert gates["ncu-attribution"] == gates["two-layer-training"] == gates["dAqk-and-beta-partials-removed"] == "FAIL"
+
+
 def test_committed_pkda_aa_every_row_is_a_graph_and_holds_one():
     """The lockstep A/A of our op (2026-12-04, sides at 9671aa8: no host sync, dense or varlen):
     every row, varlen too, was timed as a graph; every graph speedup interval holds 1.0 and the 2%

@@ -447,18 +447,15 @@ def _measurement_section(m: Measurement, run: dict, rows: list[dict]) -> dict:
 
 
 def _autotune_section(m: Measurement) -> dict | None:
-    """Did every worker run the same tuned configs? Per row, the (kernel, tuning key) on which the
-    workers that prepared it chose differently (measure/detail/autotune.py); None for a run recorded
-    before workers reported their choices."""
+    """Did every worker run the same tuned configs? The (kernel, tuning key) on which workers chose
+    differently (measure/detail/autotune.py), each with the row whose prepare first tuned it; None
+    for a run recorded before workers reported their choices."""
     if not m.configs:
         return None
-    differences, tuned = [], set()
-    for (shape, mode), by_worker in sorted(m.configs.items()):
-        choices = list(by_worker.values())
-        tuned |= {(k, key) for _, kernels in choices for k, keys in kernels.items() for key in keys}
-        differences += [{"row": f"{shape}/{mode}", **d} for d in autotune.disagreements(choices)]
-    return {"rows": len(m.configs), "workers": len({w for by in m.configs.values() for w in by}),
-            "tuned": len(tuned), "differences": differences}
+    differences = [{"row": m.config_rows.get((d["kernel"], d["key"]), "n/a"), **d}
+                   for d in autotune.disagreements(list(m.configs.values()))]
+    return {"rows": len(set(m.config_rows.values())), "workers": len(m.configs), "tuned": len(m.config_rows),
+            "differences": differences}
 
 
 def _aa_noise(run: dict, rows: list[dict]) -> float | None:

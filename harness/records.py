@@ -401,8 +401,9 @@ class Measurement:
     methods: dict = field(default_factory=dict)  # (shape, mode) -> the latest measure.model.RowMethod
     row_ends: dict = field(default_factory=dict)  # (shape, mode, basis) -> the latest measure.model.RowEnd
     throttled: list = field(default_factory=list)  # (shape, mode, basis, pair, round, why) of left-out rounds
-    # (shape, mode) -> {worker: (side, its process's autotune choices)} when it last prepared the row
+    # worker -> (side, {kernel: {tuning key: config}}): the autotune choices it reported, all rows
     configs: dict = field(default_factory=dict)
+    config_rows: dict = field(default_factory=dict)  # (kernel, key) -> the row whose prepare first reported it
 
 
 def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> Measurement:
@@ -437,7 +438,11 @@ def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> 
         elif isinstance(rec, model.RowMethod):
             m.methods[(rec.shape, rec.mode)] = rec
         elif isinstance(rec, model.RowPrepared):
-            m.configs.setdefault((rec.shape, rec.mode), {})[rec.worker] = (rec.side, rec.configs)
+            side, kernels = m.configs.setdefault(rec.worker, (rec.side, {}))
+            for kernel, keys in rec.configs.items():
+                kernels.setdefault(kernel, {}).update(keys)
+                for key in keys:
+                    m.config_rows.setdefault((kernel, key), f"{rec.shape}/{rec.mode}")
         elif isinstance(rec, model.RowEnd):
             m.row_ends[(rec.shape, rec.mode, rec.basis)] = rec
     return m

@@ -238,7 +238,7 @@ def test_autotune_choices_of_a_process_and_where_workers_disagree(monkeypatch):
     import triton
     import triton.language as tl
 
-    from harness.measure.detail.autotune import chosen_configs, disagreements
+    from harness.measure.detail.autotune import NewChoices, chosen_configs, disagreements
 
     @triton.autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32}, num_warps=8)], key=["n"])
     @triton.jit
@@ -250,9 +250,15 @@ def test_autotune_choices_of_a_process_and_where_workers_disagree(monkeypatch):
     module.add_one = add_one
     monkeypatch.setitem(sys.modules, "fake_kernels", module)
     assert "fake_kernels.add_one" not in chosen_configs()  # nothing tuned yet: no choice to report
+    new = NewChoices()
+    new()  # what other modules of this process tuned before
     add_one.cache[(64, "torch.float32")] = add_one.configs[1]
     found = chosen_configs()["fake_kernels.add_one"]
     assert found == {"(64, 'torch.float32')": str(add_one.configs[1])} and "B: 32" in found["(64, 'torch.float32')"]
+    # a prepare reports what it tuned: the new key once, then nothing until another key is tuned
+    assert new() == {"fake_kernels.add_one": found} and new() == {}
+    add_one.cache[(128, "torch.float32")] = add_one.configs[0]
+    assert new() == {"fake_kernels.add_one": {"(128, 'torch.float32')": str(add_one.configs[0])}}
 
     same = {"k.f": {"(64,)": "B: 32"}}
     assert disagreements([("baseline", same), ("candidate", same), ("control", same)]) == []

@@ -8,7 +8,7 @@ import pytest
 from pydantic import Field
 
 from harness import records as R
-from harness.records import Damage, append_jsonl, completed_blocks, load_blocks, read_jsonl
+from harness.records import Damage, append_jsonl, completed_blocks, load_blocks, load_measurement, read_jsonl
 
 SAMPLE = {"type": "sample", "block": 0, "side": "baseline", "attempt": "a0", "shape": "s", "mode": "fwd", "i": 0}
 
@@ -233,3 +233,27 @@ def test_resume_after_a_torn_last_line_and_a_garbled_middle_line_completes_and_r
     damage = json.loads(report.read_text())["damage"]
     assert [d["line"] for d in damage] == [garbled + 1, len(lines)]
     assert "not a JSON line" in damage[0]["problem"] and "not a JSON line" in damage[1]["problem"]
+
+
+def test_autotune_choices_of_every_worker_add_up_over_the_run(tmp_path):
+    """row_prepared records (measure/model.py) carry what a worker tuned since its last report: the
+    reader merges them per worker and remembers the row that first tuned each kernel and key, and
+    the report's section lists where workers differ."""
+    from harness import analyse
+    from harness.measure.model import MeasureStart, RowPrepared
+
+    path = tmp_path / "samples.jsonl"
+    recs = [MeasureStart("a1", "lockstep", {}),
+            RowPrepared("a1", 0, 0, "baseline", "big", "fwd", {"k.f": {"(64,)": "B: 32"}}),
+            RowPrepared("a1", 1, 0, "candidate", "big", "fwd", {"k.f": {"(64,)": "B: 32"}}),
+            RowPrepared("a1", 0, 0, "baseline", "big", "fwdbwd", {"k.g": {"(64,)": "w: 4"}}),
+            RowPrepared("a1", 1, 0, "candidate", "big", "fwdbwd", {}),
+            RowPrepared("a1", 1, 0, "candidate", "small", "fwdbwd", {"k.g": {"(64,)": "w: 8"}})]
+    for r in recs:
+        append_jsonl(path, r.to_json())
+    m = load_measurement(path)
+    assert m.configs[1] == ("candidate", {"k.f": {"(64,)": "B: 32"}, "k.g": {"(64,)": "w: 8"}})
+    assert m.config_rows == {("k.f", "(64,)"): "big/fwd", ("k.g", "(64,)"): "big/fwdbwd"}
+    section = analyse._autotune_section(m)
+    assert section == {"rows": 2, "workers": 2, "tuned": 2, "differences": [
+        {"row": "big/fwdbwd", "kernel": "k.g", "key": "(64,)", "by_side": {"baseline": {"w: 4": 1}, "candidate": {"w: 8": 1}}}]}

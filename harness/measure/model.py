@@ -9,6 +9,7 @@ to the run's samples.jsonl as it arrives, and read back by harness/records.py th
     row_method     {attempt, shape, mode, primary, bases, graph_reason, dims}
     row_prepared   {attempt, worker, pair, side, shape, mode, configs}   a worker prepared the row: the
                                                                     autotune configs its process chose
+                                                                    since its last report
     burst          {attempt, worker, pair, side, shape, mode, basis, round, ms, gpu, throttled, enqueue_us,
                     retimed}
     round          {attempt, pair, shape, mode, basis, round}       every burst of that round is written
@@ -121,9 +122,9 @@ class WorkerRow(Record):
 
 @dataclass
 class RowPrepared(WorkerRow):
-    """A worker prepared a row (a training row: mode "train"); `configs` is what every Triton
-    autotuner of its process had chosen by then, {module.kernel: {tuning key: config}}
-    (detail/autotune.py)."""
+    """A worker prepared a row (a training row: mode "train"); `configs` is what the Triton
+    autotuners of its process chose since its last report (preparing this row, as a rule),
+    {module.kernel: {tuning key: config}} (detail/autotune.py)."""
 
     TYPE = "row_prepared"
     configs: dict = field(default_factory=dict)

@@ -35,7 +35,7 @@ import torch
 
 from harness.measure.call import (DTYPES, Call, check_finite, free_cuda, load_inputs, load_op, peak_bytes,
                                    warmup_calls)
-from harness.measure.detail.autotune import chosen_configs
+from harness.measure.detail.autotune import NewChoices
 from harness.measure.detail.channel import Channel, ChannelClosed
 from harness.measure.detail.telemetry import Telemetry
 from harness.measure.detail.timing import L2Flush, capture, time_burst
@@ -92,6 +92,7 @@ class SideWorker:
         self.telemetry = Telemetry()
         self.rows: dict[tuple[str, str], RowState] = {}
         self.training: dict = {}
+        self.new_configs = NewChoices()  # the autotune choices a prepare reports: those it made
 
     def hello(self) -> dict:
         provenance = None
@@ -128,7 +129,7 @@ class SideWorker:
             state.graph, reason = capture(call)
             free_cuda()  # the eager warm-up's cached blocks go back before the next worker warms
         return {"graph": state.graph is not None, "graph_reason": reason, "warm_s": time.perf_counter() - t0,
-                "memory": _memory(), "configs": chosen_configs()}
+                "memory": _memory(), "configs": self.new_configs()}
 
     def burst(self, shape: str, mode: str, basis: str, calls: int) -> dict:
         state = self.rows[(shape, mode)]
@@ -179,7 +180,7 @@ class SideWorker:
         memory = _memory()  # before reset_peak: the warm-up steps' peak is the row's footprint
         run.reset_peak()
         self.training[row["name"]] = run
-        return {"steps": steps, "memory": memory, "configs": chosen_configs()}
+        return {"steps": steps, "memory": memory, "configs": self.new_configs()}
 
     def train_burst(self, name: str, steps: int) -> dict:
         run = self.training[name]

@@ -1,8 +1,9 @@
 """Which config each Triton autotuner of a process chose, and where the workers of a run disagree.
 
-A worker reads its process's choices after preparing a row (worker.py), the driver records them per
-worker and row (model.py `RowPrepared`), and the report lists every kernel and tuning key on which
-workers chose differently. Why: the sides of a comparison share one Triton cache (sides.py), so a
+A worker reads its process's choices after preparing a row (worker.py) and reports those it has not
+reported before (`NewChoices`: a key is tuned once a process, so a row's record holds what preparing
+it tuned), the driver records them per worker and row (model.py `RowPrepared`), and the report lists
+every kernel and tuning key on which workers chose differently. Why: the sides of a comparison share one Triton cache (sides.py), so a
 worker normally finds its side's configs tuned by the row's first worker; a config chosen anew in
 some process (a cache miss, near-equal configs, a space a side changed) changes the code that is
 timed, and the interval cannot tell it from the candidate's own effect.
@@ -53,6 +54,22 @@ def chosen_configs() -> dict[str, dict[str, str]]:
                 name = f"{module_name}.{getattr(getattr(tuner, 'base_fn', None), '__name__', attr)}"
                 found[name] = {str(key): str(config) for key, config in tuner.cache.items()}
     return found
+
+
+class NewChoices:
+    """What a process's autotuners chose since it last asked (the first call: everything so far)."""
+
+    def __init__(self) -> None:
+        self.reported: dict[tuple[str, str], str] = {}
+
+    def __call__(self) -> dict[str, dict[str, str]]:
+        new: dict[str, dict[str, str]] = {}
+        for kernel, keys in chosen_configs().items():
+            for key, config in keys.items():
+                if self.reported.get((kernel, key)) != config:
+                    self.reported[(kernel, key)] = config
+                    new.setdefault(kernel, {})[key] = config
+        return new
 
 
 def disagreements(choices: list[tuple[str, dict[str, dict[str, str]]]]) -> list[dict]:

@@ -452,7 +452,7 @@ def _autotune_section(m: Measurement) -> dict | None:
     for a run recorded before workers reported their choices."""
     if not m.configs:
         return None
-    differences = [{"row": m.config_rows.get((d["kernel"], d["key"]), "n/a"), **d}
+    differences = [{"row": m.config_rows[(d["kernel"], d["key"])], **d}
                    for d in autotune.disagreements(list(m.configs.values()))]
     return {"rows": len(set(m.config_rows.values())), "workers": len(m.configs), "tuned": len(m.config_rows),
             "differences": differences}

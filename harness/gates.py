@@ -633,8 +633,9 @@ def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerd
             if peaks:
                 setattr(row, "base_peak" if side == "baseline" else "cand_peak", max(peaks))
     for w in workers:
+        origin = {"block": w.index, "side": w.side, **({"pair": w.pair} if w.pair is not None else {})}
         for f in w.failures:
-            rec = {"block": w.index, "side": w.side, **({"pair": w.pair} if w.pair is not None else {}), **f}
+            rec = {**origin, **f}
             ev.failures.append(rec)
             row = ev.rows.get((f.get("shape"), f.get("mode")))
             if row is not None:
@@ -642,8 +643,7 @@ def evidence_from_measurement(exp: Experiment, m, *, phases: dict[str, PhaseVerd
             if f.get("mode") == TRAIN_MODE:
                 ev.training_failures.setdefault(f.get("shape"), []).append(rec)
         if w.status == "failed":
-            rec = {"block": w.index, "side": w.side, **({"pair": w.pair} if w.pair is not None else {}),
-                   "shape": None, "mode": None,
+            rec = {**origin, "shape": None, "mode": None,
                    "error": w.error or ("block failed" if not lockstep else "worker lost")}
             ev.failures.append(rec)
             for row in ev.rows.values():

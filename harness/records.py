@@ -438,7 +438,7 @@ def load_measurement(samples_path: Path, damage: list[Damage] | None = None) -> 
         elif isinstance(rec, model.RowMethod):
             m.methods[(rec.shape, rec.mode)] = rec
         elif isinstance(rec, model.RowPrepared):
-            side, kernels = m.configs.setdefault(rec.worker, (rec.side, {}))
+            _, kernels = m.configs.setdefault(rec.worker, (rec.side, {}))
             for kernel, keys in rec.configs.items():
                 kernels.setdefault(kernel, {}).update(keys)
                 for key in keys:

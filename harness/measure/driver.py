@@ -395,7 +395,7 @@ class Driver:
         # a leader frees its cached blocks after preparing and takes them again in its rounds: on an
         # H100 (2026-12-05) B1_T8192_H96_D128 fwd+bwd let 3 pairs of 9.2 GiB workers in on a reading
         # taken while the leaders held less, and a pair ran out of memory in the rounds
-        regrow = sum(max(m["peak_reserved"] - m.get("reserved", m["peak_reserved"]), 0) for m in measured)
+        regrow = sum(max(m["peak_reserved"] - m["reserved"], 0) for m in measured)
         waiting = [(p.id, sum(q is p for q, _ in rest)) for p in pairs]  # workers of each pair still to prepare
         fit, why = pairs_that_fit(waiting, measured[-1] if measured else None, footprint, regrow)
         held = sum(1 for p in self.pairs if p.alive and row.key in p.rows)

@@ -3,8 +3,9 @@
 A worker reads its process's choices after preparing a row (worker.py) and reports those it has not
 reported before (`NewChoices`: a key is tuned once a process, so a row's record holds what preparing
 it tuned), the driver records them per worker and row (model.py `RowPrepared`), and the report lists
-every kernel and tuning key on which workers chose differently. Why: the sides of a comparison share one Triton cache (sides.py), so a
-worker normally finds its side's configs tuned by the row's first worker; a config chosen anew in
+every kernel and tuning key on which workers chose differently. Why: the sides of a comparison
+share one Triton cache (sides.py), so a worker normally finds its side's configs tuned by the row's
+first worker; a config chosen anew in
 some process (a cache miss, near-equal configs, a space a side changed) changes the code that is
 timed, and the interval cannot tell it from the candidate's own effect.
 
@@ -74,9 +75,9 @@ class NewChoices:
 
 def disagreements(choices: list[tuple[str, dict[str, dict[str, str]]]]) -> list[dict]:
     """Per (kernel, key) that workers chose differently: {kernel, key, by_side: {side: {config:
-    workers}}}. `choices`: (side, chosen_configs()) of each worker that prepared the row. A kernel or
-    key that only some workers tuned (another side's code, a row prepared only by some) is no
-    disagreement."""
+    workers}}}. `choices`: (side, {kernel: {key: config}}) of each worker, everything it reported over
+    the run. A kernel or key that only some workers tuned (another side's code, a row prepared only
+    by some) is no disagreement."""
     seen: dict[tuple[str, str], dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: defaultdict(int)))
     for side, kernels in choices:
         for kernel, keys in kernels.items():

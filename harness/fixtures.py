@@ -11,9 +11,11 @@
    bitwise or within the frozen tolerances. A measured failure (an output or gradient outside the tolerances, a non-finite
    reference, a disagreement between the two runs) is a terminal NO-GO written to
    <profile root>/<exp>/state.json with its failures; cases are never narrowed nor tolerances
-   relaxed. Nothing measured is no verdict: an inputs factory, op or reference that does not
-   import, or raises, or a worker that dies, is a setup error (spec.SetupError, exit 2), never an
-   attempt and never terminal.
+   relaxed: a later freeze of that baseline SHA returns the red record without re-running, even
+   after the experiment's `fixtures:` changed (it then names the changed fields and asks for a new
+   experiment or baseline.ref). Nothing measured is no verdict: an inputs factory, op or reference
+   that does not import, or raises, or a worker that dies, is a setup error (spec.SetupError, exit
+   2), never an attempt and never terminal.
 
 2. BENCH_BASE. The first run's files and a manifest.json (seed, cases and shapes, dtype, modes,
    tolerances, SHA-256 of every fixture file, SHA-256 at BENCH_BASE of every frozen path) are
@@ -113,6 +115,7 @@ class FreezeRecord:
     inputs: dict = field(default_factory=dict)  # {file, sha256, fn} of the harness's inputs factory
     skipped_low_precision: list[str] = field(default_factory=list)  # declared dtypes this device cannot run
     artifacts: str | None = None  # dir with the worker logs and outputs of the baseline runs
+    contract: dict | None = None  # contract_of() this freeze ran under; None in records older than the field
 
     @property
     def terminal(self) -> bool:
@@ -555,10 +558,16 @@ def contract_in_manifest(manifest: dict) -> dict:
             "reference_adapter_sha256": (manifest.get("reference_adapter") or {}).get("sha256")}
 
 
+def diff_contracts(then: dict, now: dict, then_label: str) -> list[str]:
+    """Each oracle contract field whose value changed, with both values: the one rule for "the oracle
+    changed". A field `then` lacks (recorded before the field existed) is unknown, not changed."""
+    return [f"{k}: {then_label} {then[k]!r}, experiment now {now[k]!r}"
+            for k in now if k in then and now[k] != then[k]]
+
+
 def contract_changes(loaded: LoadedExperiment, manifest: dict, device: str | None = None) -> list[str]:
     """How the experiment file now differs from the oracle frozen on `device` in `manifest`."""
-    now, frozen = contract_of(loaded, device), contract_in_manifest(manifest)
-    return [f"{k}: frozen {frozen[k]!r}, experiment now {now[k]!r}" for k in now if now[k] != frozen[k]]
+    return diff_contracts(contract_in_manifest(manifest), contract_of(loaded, device), "frozen")
 
 
 # --- freeze ----------------------------------------------------------------------------------------
@@ -613,6 +622,13 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
     if (state.get("state") == attempts.TERMINAL_NO_GO and prior is not None
             and prior.baseline_sha == base.sha and prior.terminal):
         log(f"freeze: baseline {base.sha[:12]} is already a terminal NO-GO: {prior.reason}")
+        # the red result stands whatever the oracle says now; say so when the user edited it since
+        changed = (diff_contracts(prior.contract, contract_of(loaded, prior.device), "red under")
+                   if prior.contract else [])
+        if changed:
+            log(f"freeze: the oracle changed since that red baseline ({'; '.join(changed)}): a red baseline is "
+                "terminal for its baseline SHA, not permission to relax the oracle; declare a new experiment "
+                "(a new name) or a new baseline.ref to gate again")
         return prior
     device = device or _default_device()
     if not recheck:
@@ -688,7 +704,8 @@ def freeze(loaded: LoadedExperiment, revisions: Revisions, profile_root, log: Ca
     record = FreezeRecord(experiment=exp.name, status="PASS", reason="", baseline_sha=base.sha,
                           baseline_worktree=base.worktree, target_repo=str(repo), runs=results,
                           reproducibility=reproducibility, failures=failures, device=device, created=_now(),
-                          inputs=inputs, artifacts=str(art), skipped_low_precision=skipped)
+                          inputs=inputs, artifacts=str(art), skipped_low_precision=skipped,
+                          contract=contract_of(loaded, device))
 
     if failures:
         head = "; ".join(failures[:3]) + (f"; ... ({len(failures)} failures)" if len(failures) > 3 else "")

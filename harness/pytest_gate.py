@@ -6,7 +6,14 @@ BENCH_BASE adds only fixtures/<exp>/ to it), written over the side's copies for 
 back afterwards, so a candidate never runs a test file it edited. Then, in the worktree,
 `python -m pytest FILE [-k K] -p no:cacheprovider --junitxml=...` runs with the side's block
 environment (its declared env, the experiment's Triton cache, the interpreter on a CPU run) and
-the worktree first on PYTHONPATH; each test's outcome comes from the JUnit XML.
+the worktree first on PYTHONPATH; each test's outcome comes from the JUnit XML. The two sides run
+at the same time (each in its own worktree): the gate judges outcomes, never times, and on a cold
+GPU machine most of a side's minutes are compiles. Their autotune results are not cached
+(TRITON_CACHE_AUTOTUNING unset, as in harness/warm.py): benchmarks that overlap on the GPU would be
+noise, and the timed workers must not find them. Each side's result is kept beside its log
+(side.json) as soon as it ends, and a resumed run reuses it when pytest decided (exit 0 or 1) and
+the side's SHA, the frozen files and the argv are the same: an interrupted gate never runs a
+finished side again.
 
 The gate: PASS when each side ran at least one test and none failed or errored; FAIL when a test
 failed or errored on a side (one the baseline fails too is named so: it cannot judge the
@@ -15,7 +22,7 @@ codes 2-5, a timeout). A CPU run uses the gate's `cpu_k` selection, or runs noth
 says `run_on_cpu: false` (no decision there).
 
 Record: <run dir>/pytest.json {kind, gates: {<gate name>: {path, k, frozen_from, files,
-sides: {<side>: {returncode, counts, tests: [{test, outcome, time_s, message}], log}}, gate}}}.
+sides: {<side>: {returncode, counts, tests: [{test, outcome, time_s, message}], log, files, reused}}, gate}}}.
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
@@ -35,6 +43,7 @@ from harness.revisions import ResolvedSide, Revisions
 from harness.spec import SIDES, LoadedExperiment, PytestGate, setup_error
 
 PYTEST_FILE = "pytest.json"
+SIDE_FILE = "side.json"  # one side's finished result, beside its log: what a resumed run reuses
 OUTCOMES = ("passed", "failed", "error", "skipped")
 # pytest's exit codes that mean it did not run the selection to the end (usage, internal error,
 # interrupted, nothing collected): no decision, whatever the tests did
@@ -98,19 +107,25 @@ def pytest_env(loaded: LoadedExperiment, side: ResolvedSide, profile_root: Path,
     repository's package from there, never an installed copy)."""
     env = side_env(loaded, side.side, profile_root, cpu_mode)
     env["PYTHONPATH"] = os.pathsep.join([side.worktree, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop("TRITON_CACHE_AUTOTUNING", None)  # the sides run at once: see the module docstring
     return env
 
 
 def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, files: dict[str, bytes],
              work_dir: Path, profile_root: Path, cpu_mode: bool) -> dict:
-    """The frozen test file on one side; {returncode, counts, tests, log, seconds, k}."""
+    """The frozen test file on one side; {side, sha, returncode, k, argv, files, counts, tests, log,
+    seconds, reused}. A finished result of the same side, files and argv in work_dir is reused."""
     work_dir.mkdir(parents=True, exist_ok=True)
-    junit, log = work_dir / "junit.xml", work_dir / "pytest.log"
-    junit.unlink(missing_ok=True)
+    junit, log, done = work_dir / "junit.xml", work_dir / "pytest.log", work_dir / SIDE_FILE
     k = (gate.cpu_k or gate.k) if cpu_mode else gate.k
     argv = [sys.executable, "-m", "pytest", gate.path, "-p", "no:cacheprovider", f"--junitxml={junit}", "-q"]
     if k:
         argv += ["-k", k]
+    digests = {rel: fx.sha256_bytes(data) for rel, data in files.items()}
+    earlier = _finished_side(done, side.sha, digests, argv[1:])
+    if earlier is not None:
+        return {**earlier, "reused": True}
+    junit.unlink(missing_ok=True)
     worktree = Path(side.worktree)
     before = _overlay(worktree, files)
     t0 = time.time()
@@ -125,8 +140,25 @@ def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, fil
         _restore(worktree, before)
     tests = parse_junit(junit, gate.path) if junit.is_file() else []
     counts = {o: sum(1 for t in tests if t["outcome"] == o) for o in OUTCOMES}
-    return {"side": side.side, "sha": side.sha, "returncode": rc, "k": k, "argv": argv[1:], "counts": counts,
-            "tests": tests, "log": str(log), "seconds": round(time.time() - t0, 2)}
+    result = {"side": side.side, "sha": side.sha, "returncode": rc, "k": k, "argv": argv[1:], "files": digests,
+              "counts": counts, "tests": tests, "log": str(log), "seconds": round(time.time() - t0, 2),
+              "reused": False}
+    if children.stop_signal() is None:  # a side the harness's stop killed did not finish: run it again
+        done.write_text(json.dumps(result, indent=1, sort_keys=True))
+    return result
+
+
+def _finished_side(path: Path, sha: str, digests: dict[str, str], argv: list[str]) -> dict | None:
+    """The side's earlier result at `path` when it ran this SHA, these frozen files and this argv and
+    pytest decided (exit 0 or 1); a timeout or a pytest that could not run is tried again."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(earlier, dict):
+        return None
+    same = (earlier.get("sha"), earlier.get("files"), earlier.get("argv")) == (sha, digests, argv)
+    return earlier if same and earlier.get("returncode") in (0, 1) else None
 
 
 def gate_verdict(gate: PytestGate, sides: dict[str, dict]) -> dict:
@@ -184,13 +216,21 @@ def pytest_run(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, pr
             entry["gate"] = fx.phase_verdict(None, f"{gate.path}: not run on a CPU machine (run_on_cpu: false)", {})
             log(f"pytest: {gate.name}: not run on CPU (run_on_cpu: false)")
             continue
-        for side in SIDES:
-            rs = getattr(revisions, side)
-            log(f"pytest: {gate.name}: {gate.path} on {side} {rs.sha[:12]}")
-            r = run_side(loaded, gate, rs, files, run_dir / "pytest" / gate.name / side, profile_root, cpu_mode)
+        log(f"pytest: {gate.name}: {gate.path} on " + " and ".join(f"{side} {getattr(revisions, side).sha[:12]}"
+                                                                  for side in SIDES) + " at once")
+
+        def one(side: str, gate=gate, files=files) -> dict:
+            return run_side(loaded, gate, getattr(revisions, side), files, run_dir / "pytest" / gate.name / side,
+                            profile_root, cpu_mode)
+
+        # at once unless the sides share a worktree (the frozen files are written over its copies)
+        with ThreadPoolExecutor(max_workers=len({getattr(revisions, side).worktree for side in SIDES})) as pool:
+            results = dict(zip(SIDES, pool.map(one, SIDES)))
+        for side, r in results.items():
             entry["sides"][side] = r
             log(f"pytest: {gate.name}: {side}: " + ", ".join(f"{n} {o}" for o, n in r["counts"].items() if n)
-                + f" (exit {r['returncode']}, {r['seconds']} s)")
+                + f" (exit {r['returncode']}, "
+                + (f"{r['seconds']} s earlier, reused)" if r["reused"] else f"{r['seconds']} s)"))
         entry["gate"] = gate_verdict(gate, entry["sides"])
     (run_dir / PYTEST_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
     return record

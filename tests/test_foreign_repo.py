@@ -167,3 +167,39 @@ def test_pytest_gate_runs_the_frozen_test_file_on_the_candidate(foreign, tmp_pat
     assert (wt / "tests" / "test_pairwise.py").read_text() == TESTS_EDITED
     assert subprocess.run(["git", "-C", str(wt), "status", "--porcelain"], capture_output=True, text=True).stdout == ""
     assert json.loads((run_dir / "pytest.json").read_text()) == json.loads(json.dumps(record))
+
+
+def test_pytest_gate_keeps_each_finished_side_for_a_resumed_run(foreign, tmp_path):
+    from harness import pytest_gate
+    from harness.revisions import resolve
+    from harness.spec import load_experiment
+
+    foreign.slow_candidate()
+    loaded = load_experiment(foreign.experiment())
+    revisions = resolve(loaded, tmp_path / "profile")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines: list[str] = []
+    first = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lines.append)
+    assert any("on baseline" in m and "and candidate" in m and m.endswith("at once") for m in lines), lines
+    sides = first["gates"]["own-tests"]["sides"]
+    assert not sides["baseline"]["reused"] and not sides["candidate"]["reused"]
+
+    # an interrupted run: pytest.json never written, the baseline's result kept, the candidate's a
+    # pytest that could not run (exit 2: no decision, so tried again)
+    (run_dir / "pytest.json").unlink()
+    cand_done = run_dir / "pytest" / "own-tests" / "candidate" / pytest_gate.SIDE_FILE
+    cand_done.write_text(json.dumps({**json.loads(cand_done.read_text()), "returncode": 2}))
+    lines.clear()
+    again = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lines.append)
+    sides = again["gates"]["own-tests"]["sides"]
+    assert sides["baseline"]["reused"] and sides["baseline"]["seconds"] == first["gates"]["own-tests"]["sides"]["baseline"]["seconds"]
+    assert not sides["candidate"]["reused"] and sides["candidate"]["returncode"] == 0
+    assert any("baseline" in m and "earlier, reused" in m for m in lines), lines
+    assert again["gates"]["own-tests"]["gate"]["status"] == "PASS"
+
+    # another argv (here a narrower -k) is never a reuse
+    narrower = load_experiment(foreign.experiment(k="matches_reference and 16"))
+    third = pytest_gate.pytest_run(narrower, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lambda m: None)
+    assert not any(s["reused"] for s in third["gates"]["own-tests"]["sides"].values())
+    assert third["gates"]["own-tests"]["sides"]["baseline"]["counts"]["passed"] == 1

@@ -8,11 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("fla_public_plugin", ROOT / "tools" / "fla_public_plugin.py")
-plugin = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(plugin)
+plugin = load_tool("fla_public_plugin")
 
 FILE = "tests/ops/test_precond_kda.py::"
 

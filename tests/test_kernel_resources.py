@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = ROOT / "experiments" / "pkda-aa.yaml"
 SHAPE = "dense_K64_V128"  # pkda-aa's fixture shape: K != V, one chunk and a partial one (T=100)
 
+# loaded by path here, not through tests/tool_module.py: the tool's binding subprocess imports this
+# file to find the kernels defined in it, without tests/ on its path
 spec = importlib.util.spec_from_file_location("kernel_resources", ROOT / "tools" / "kernel_resources.py")
 kr = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(kr)

@@ -1,16 +1,14 @@
 """tools/power_runs.py's --measure: a measurement design tried on an experiment without copying its
 file, checked as the file's own settings are, named in the output files."""
-import importlib.util
 from pathlib import Path
 
 import pytest
 
 from harness.spec import load_experiment
+from tool_module import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("power_runs", ROOT / "tools" / "power_runs.py")
-power_runs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(power_runs)
+power_runs = load_tool("power_runs")
 
 
 def test_measure_settings_replace_the_files_and_name_the_outputs():

@@ -272,22 +272,13 @@ def test_per_pair_side_orders_keep_a_moment_out_of_the_interval(shock_round, sha
         assert coverage(per_pair, num, den) >= 0.91, (num, den)
 
 
-def _stopping_coverage_tool():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "tools" / "stopping_coverage.py"
-    spec = importlib.util.spec_from_file_location("stopping_coverage", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_stopping_coverage_tool_runs_the_rule_to_its_stops():
     """tools/stopping_coverage.py (docs/perf/pkda.md's long simulation) drives the harness's own rule:
     quiet pairs resolve at the first look with the pairs they started with; per-process offsets far
     above the target end on the limit with every pair the rule may add, at max_rounds."""
-    tool = _stopping_coverage_tool()
+    from tool_module import load_tool
+
+    tool = load_tool("stopping_coverage")
     rng = np.random.default_rng(5)
     lim = stopping.Limits(0.005, 10, 60, 12, math.inf)
     iv, why = tool.simulate_row(rng, 0.0005, 0.001, lim, pairs=8)

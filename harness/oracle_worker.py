@@ -102,9 +102,11 @@ def load_from_worktree(worktree: str, target: str):
     """`module:function` imported from `worktree`; the module file must be inside it."""
     import importlib
 
+    from harness.interpreter_tf32 import emulate_tf32_dots
     from harness.triton_autotune_cache import make_autotune_cache_serialisable
 
     make_autotune_cache_serialisable()
+    emulate_tf32_dots()
 
     module_name, fn = target.split(":")
     top = module_name.split(".")[0]

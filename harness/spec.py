@@ -645,6 +645,9 @@ class CpuProfile(Strict):
     # for a side, after the harness checkout: a `sitecustomize.py` there runs at interpreter start
     # (e.g. a shim that lets a repository's Triton autotuner run under the interpreter)
     python_path: list[str] = Field(default_factory=list)
+    # fp32 `tl.dot`s that would run as TF32 on a GPU drop the same mantissa bits under the interpreter
+    # (harness/interpreter_tf32.py), so a CPU freeze does not pass tolerances the GPU cannot meet
+    emulate_tf32: bool = True
 
 
 class Experiment(Strict):

@@ -40,9 +40,11 @@ def load_op(worktree: str, op: str, package: dict | None = None):
     """The side's op: from its worktree (git side), or as installed at the declared version."""
     import importlib
 
+    from harness.interpreter_tf32 import emulate_tf32_dots
     from harness.triton_autotune_cache import make_autotune_cache_serialisable
 
     make_autotune_cache_serialisable()
+    emulate_tf32_dots()
 
     module_name, fn = op.split(":")
     if package:

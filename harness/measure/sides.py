@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness import interpreter_tf32
 from harness.results import HARNESS_ROOT
 from harness.spec import LoadedExperiment, MeasureSpec, Shape, TrainingRow
 
@@ -97,4 +98,6 @@ def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: 
     env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), *extra, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if cpu_mode:
         env["TRITON_INTERPRET"] = "1"
+        if loaded.exp.cpu is None or loaded.exp.cpu.emulate_tf32:
+            env[interpreter_tf32.ENV] = "1"
     return env

@@ -125,6 +125,9 @@ def test_stopping_resolved_budget_rounds_pairs_limit():
     assert stopping.decide(iv_with(0.004, 0, 1e-5), 3, 10, 5, LIM).stop == "resolved"
     assert stopping.decide(iv_with(0.004, 0, 1e-5), 3, 5, 5, LIM).stop is None  # below min_rounds
     assert stopping.decide(iv_with(0.02, 0, 1e-5), 3, 10, 61, LIM).stop == "budget"
+    late = stopping.decide(iv_with(0.004, 0, 1e-5), 3, 6, 61, LIM)  # a late wave's pairs: 6 rounds
+    assert late.stop == "budget" and "within the target" in late.detail and "6, are under min_rounds 10" in late.detail
+    assert "within the target" not in stopping.decide(iv_with(0.02, 0, 1e-5), 3, 10, 61, LIM).detail
     # round-to-round noise dominates: more rounds on the same pairs
     d = stopping.decide(iv_with(0.008, 0.0, 4e-5), 3, 10, 5, LIM)
     assert d.stop is None and d.add_pairs == 0 and d.rounds > 10

@@ -48,7 +48,10 @@ def decide(iv: stats.Interval, pairs: int, rounds: int, elapsed_s: float, lim: L
     if hw is not None and hw <= lim.target and rounds >= lim.min_rounds:
         return Decision("resolved", f"{shown} <= {lim.target:.3%} with {iv.n_blocks} pairs, {iv.n_rounds} rounds")
     if elapsed_s >= lim.budget_s:
-        return Decision("budget", f"{shown} after {elapsed_s:.0f} s (budget {lim.budget_s:.0f} s)")
+        # within the target but short of min_rounds: pairs added late (a new wave) had fewer rounds
+        short = (f"; within the target, but the pairs' fewest rounds, {rounds}, are under min_rounds "
+                 f"{lim.min_rounds}" if hw is not None and hw <= lim.target else "")
+        return Decision("budget", f"{shown} after {elapsed_s:.0f} s (budget {lim.budget_s:.0f} s){short}")
     if rounds < lim.min_rounds:
         return Decision(None, "below min_rounds", rounds=lim.min_rounds)
     between = iv.var_between if iv.var_between is not None else 0.0

@@ -80,6 +80,11 @@ def start(argv: list[str], env: dict | None = None, **popen_kwargs) -> subproces
     proc = subprocess.Popen(argv, env=env, process_group=0, **popen_kwargs)
     with _live_lock:
         _live[proc.pid] = proc
+    if _stop_signal is not None:
+        # a stop that came while another thread was between the check above and the registration:
+        # the handler's kill_all may have missed this child (the handler sets _stop_signal first)
+        kill_group(proc)
+        raise Stopped(_stop_signal)
     return proc
 
 

@@ -540,6 +540,8 @@ def read_manifest_at(repo: Path | str, commit: str, exp_name: str) -> tuple[dict
 def contract_of(loaded: LoadedExperiment, device: str | None = None) -> dict:
     """What the experiment file says the oracle frozen on `device` is (a CPU oracle's cases at the
     cpu profile's stand-in shapes); must equal the manifest's (never relaxed later)."""
+    from harness.measure.sides import emulates_tf32
+
     exp = loaded.exp
     fx = exp.fixtures
     adapter = adapter_record(loaded)
@@ -547,7 +549,9 @@ def contract_of(loaded: LoadedExperiment, device: str | None = None) -> dict:
     return {"reference": fx.reference, "dtype": fx.dtype, "rtol": fx.rtol, "atol": fx.atol, "seed": exp.seed,
             "modes": list(exp.modes), "cases": [[c["name"], c["shape"]] for c in cases],
             "low_precision": [lp.model_dump() for lp in fx.low_precision],
-            "reference_adapter_sha256": adapter and adapter["sha256"]}
+            "reference_adapter_sha256": adapter and adapter["sha256"],
+            # how a CPU baseline gate multiplies fp32 (not in the manifest: the fixtures do not depend on it)
+            "emulate_tf32": emulates_tf32(loaded) if device_kind(device) == "cpu" else None}
 
 
 def contract_in_manifest(manifest: dict) -> dict:
@@ -592,6 +596,9 @@ def _reusable(loaded, revisions, profile_root, device, log) -> FreezeRecord | No
     except FreezeError:
         return None
     if digest != rec.manifest_sha256 or contract_changes(loaded, manifest, rec.device):
+        return None
+    # what the manifest does not hold (how a CPU gate multiplies fp32): an older record has no contract
+    if (rec.contract or {}).get("emulate_tf32") != contract_of(loaded, rec.device)["emulate_tf32"]:
         return None
     frozen_now = frozen_path_list(loaded, repo, rec.bench_base_sha)
     if sorted(frozen_now) != sorted(manifest.get("frozen_paths", {})):

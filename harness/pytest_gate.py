@@ -6,14 +6,16 @@ BENCH_BASE adds only fixtures/<exp>/ to it), written over the side's copies for 
 back afterwards, so a candidate never runs a test file it edited. Then, in the worktree,
 `python -m pytest FILE [-k K] -p no:cacheprovider --junitxml=...` runs with the side's block
 environment (its declared env, the experiment's Triton cache, the interpreter on a CPU run) and
-the worktree first on PYTHONPATH; each test's outcome comes from the JUnit XML. The two sides run
-at the same time (each in its own worktree): the gate judges outcomes, never times, and on a cold
-GPU machine most of a side's minutes are compiles. Their autotune results are not cached
-(TRITON_CACHE_AUTOTUNING unset, as in harness/warm.py): benchmarks that overlap on the GPU would be
-noise, and the timed workers must not find them. Each side's result is kept beside its log
-(side.json) as soon as it ends, and a resumed run reuses it when pytest decided (exit 0 or 1) and
-the side's SHA, the frozen files and the argv are the same: an interrupted gate never runs a
-finished side again.
+the worktree first on PYTHONPATH (on a CPU, with TF32 dots emulated as in the side workers:
+harness/pytest_tf32.py); each test's outcome comes from the JUnit XML. The two sides run at the
+same time when each has its own worktree: the gate judges outcomes, never times, and on a cold GPU
+machine most of a side's minutes are compiles. A side that is not green beside the other runs
+again alone, and that result counts (two processes on one GPU can fail a test neither fails alone).
+Their autotune results are not cached (TRITON_CACHE_AUTOTUNING unset, as in harness/warm.py):
+benchmarks that overlap on the GPU would be noise, and the timed workers must not find them. Each
+side's result that counts is kept beside its log (side.json) as soon as it ends, and a resumed run
+reuses it when pytest decided (exit 0 or 1) and its resume key (`resume_key`) is the same: an
+interrupted gate never runs a finished side again.
 
 The gate: PASS when each side ran at least one test and none failed or errored; FAIL when a test
 failed or errored on a side (one the baseline fails too is named so: it cannot judge the
@@ -22,10 +24,12 @@ codes 2-5, a timeout). A CPU run uses the gate's `cpu_k` selection, or runs noth
 says `run_on_cpu: false` (no decision there).
 
 Record: <run dir>/pytest.json {kind, gates: {<gate name>: {path, k, frozen_from, files,
-sides: {<side>: {returncode, counts, tests: [{test, outcome, time_s, message}], log, files, reused}}, gate}}}.
+sides: {<side>: {returncode, counts, tests: [{test, outcome, time_s, message}], log, files, key, started,
+seconds, alone, reused, beside (the result beside the other side, when it was run again alone)}}, gate}}}.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -36,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from harness import children
+from harness import children, interpreter_tf32
 from harness import fixtures as fx
 from harness.measure.sides import side_env
 from harness.revisions import ResolvedSide, Revisions
@@ -112,17 +116,22 @@ def pytest_env(loaded: LoadedExperiment, side: ResolvedSide, profile_root: Path,
 
 
 def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, files: dict[str, bytes],
-             work_dir: Path, profile_root: Path, cpu_mode: bool) -> dict:
-    """The frozen test file on one side; {side, sha, returncode, k, argv, files, counts, tests, log,
-    seconds, reused}. A finished result of the same side, files and argv in work_dir is reused."""
+             work_dir: Path, profile_root: Path, cpu_mode: bool, alone: bool) -> dict:
+    """The frozen test file on one side; {side, sha, returncode, k, argv, files, key, counts, tests,
+    log, started, seconds, alone, reused}. `alone`: no other side's pytest runs beside it. A
+    finished result with the same resume key in work_dir is reused (see the module docstring)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     junit, log, done = work_dir / "junit.xml", work_dir / "pytest.log", work_dir / SIDE_FILE
     k = (gate.cpu_k or gate.k) if cpu_mode else gate.k
+    env = pytest_env(loaded, side, profile_root, cpu_mode)
     argv = [sys.executable, "-m", "pytest", gate.path, "-p", "no:cacheprovider", f"--junitxml={junit}", "-q"]
+    if env.get(interpreter_tf32.ENV) == "1":
+        argv += ["-p", "harness.pytest_tf32"]  # the test process's dots as the side workers' (TF32 emulated)
     if k:
         argv += ["-k", k]
     digests = {rel: fx.sha256_bytes(data) for rel, data in files.items()}
-    earlier = _finished_side(done, side.sha, digests, argv[1:])
+    key = resume_key(loaded, gate, side, digests, k, cpu_mode, env)
+    earlier = _finished_side(done, key)
     if earlier is not None:
         return {**earlier, "reused": True}
     junit.unlink(missing_ok=True)
@@ -131,8 +140,8 @@ def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, fil
     t0 = time.time()
     try:
         with log.open("w") as out:
-            proc = children.run(argv, cwd=worktree, env=pytest_env(loaded, side, profile_root, cpu_mode),
-                                stdout=out, stderr=subprocess.STDOUT, timeout=gate.timeout_s)
+            proc = children.run(argv, cwd=worktree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=gate.timeout_s)
         rc: int | str = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -141,24 +150,45 @@ def run_side(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, fil
     tests = parse_junit(junit, gate.path) if junit.is_file() else []
     counts = {o: sum(1 for t in tests if t["outcome"] == o) for o in OUTCOMES}
     result = {"side": side.side, "sha": side.sha, "returncode": rc, "k": k, "argv": argv[1:], "files": digests,
-              "counts": counts, "tests": tests, "log": str(log), "seconds": round(time.time() - t0, 2),
-              "reused": False}
-    if children.stop_signal() is None:  # a side the harness's stop killed did not finish: run it again
+              "key": key, "counts": counts, "tests": tests, "log": str(log), "started": round(t0, 3),
+              "seconds": round(time.time() - t0, 2), "alone": alone, "reused": False}
+    # kept for a resumed run: a green side, or any side that ran alone; not a side the harness's stop
+    # killed (it did not finish), nor one that was not green beside the other side (run again alone)
+    if children.stop_signal() is None and (rc == 0 or alone):
         done.write_text(json.dumps(result, indent=1, sort_keys=True))
     return result
 
 
-def _finished_side(path: Path, sha: str, digests: dict[str, str], argv: list[str]) -> dict | None:
-    """The side's earlier result at `path` when it ran this SHA, these frozen files and this argv and
-    pytest decided (exit 0 or 1); a timeout or a pytest that could not run is tried again."""
+def resume_key(loaded: LoadedExperiment, gate: PytestGate, side: ResolvedSide, digests: dict[str, str],
+               k: str | None, cpu_mode: bool, env: dict[str, str]) -> dict:
+    """What a side's pytest result depends on, as far as the harness can name it: the commit, the
+    frozen files, the selection, the machine kind, the side's declared env, a CPU run's
+    `cpu.python_path` and TF32 emulation, and the torch and Triton versions (never a path of this
+    run: a resumed run may live elsewhere)."""
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    setting = {"declared_env": getattr(loaded.exp, side.side).env,
+               "python_path": list(loaded.exp.cpu.python_path) if cpu_mode and loaded.exp.cpu else [],
+               "emulate_tf32": env.get(interpreter_tf32.ENV)}
+    return {"sha": side.sha, "files": digests, "path": gate.path, "k": k, "cpu": cpu_mode,
+            "setting": fx.sha256_bytes(json.dumps(setting, sort_keys=True).encode()),
+            "torch": version("torch"), "triton": version("triton")}
+
+
+def _finished_side(path: Path, key: dict) -> dict | None:
+    """The side's earlier result at `path` when its resume key is `key` and pytest decided (exit 0
+    or 1); a timeout or a pytest that could not run is tried again."""
     try:
         earlier = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(earlier, dict):
         return None
-    same = (earlier.get("sha"), earlier.get("files"), earlier.get("argv")) == (sha, digests, argv)
-    return earlier if same and earlier.get("returncode") in (0, 1) else None
+    return earlier if earlier.get("key") == key and earlier.get("returncode") in (0, 1) else None
 
 
 def gate_verdict(gate: PytestGate, sides: dict[str, dict]) -> dict:
@@ -195,6 +225,33 @@ def gate_verdict(gate: PytestGate, sides: dict[str, dict]) -> dict:
                                     + (f" (skipped by the frozen file: {skipped})" if skipped else ""), numbers)
 
 
+def run_sides(loaded: LoadedExperiment, gate: PytestGate, revisions: Revisions, files: dict[str, bytes],
+              work_dir: Path, profile_root: Path, cpu_mode: bool, log: Callable[[str], None]) -> dict[str, dict]:
+    """One gate on both sides: at once when they have worktrees of their own, and any side that was
+    not green beside the other run again alone, whose result is the one kept (a test that fails
+    only when two processes share the GPU, e.g. out of memory or an exclusive-process GPU, is no
+    verdict on the code)."""
+    sides = {side: getattr(revisions, side) for side in SIDES}
+    together = len({rs.worktree for rs in sides.values()}) == len(sides)  # else the overlays would collide
+    log(f"pytest: {gate.name}: {gate.path} on " + " and ".join(f"{side} {rs.sha[:12]}" for side, rs in sides.items())
+        + (" at once" if together else " one after the other (one worktree)"))
+
+    def one(side: str, alone: bool) -> dict:
+        return run_side(loaded, gate, sides[side], files, work_dir / side, profile_root, cpu_mode, alone)
+
+    with ThreadPoolExecutor(max_workers=len(sides) if together else 1) as pool:
+        results = dict(zip(sides, pool.map(lambda side: one(side, not together), sides)))
+    for side, r in results.items():
+        if not r["alone"] and not r["reused"] and r["returncode"] != 0:
+            log(f"pytest: {gate.name}: {side}: exit {r['returncode']} beside the other side; again alone")
+            results[side] = {**one(side, True), "beside": {k: r[k] for k in ("returncode", "counts", "seconds")}}
+    for side, r in results.items():
+        log(f"pytest: {gate.name}: {side}: " + ", ".join(f"{n} {o}" for o, n in r["counts"].items() if n)
+            + f" (exit {r['returncode']}, "
+            + (f"{r['seconds']} s earlier, reused)" if r["reused"] else f"{r['seconds']} s)"))
+    return results
+
+
 def pytest_run(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, profile_root: Path,
                cpu_mode: bool, log: Callable[[str], None] = print, freeze_record=None) -> dict:
     """Every pytest gate on both sides; writes run_dir/pytest.json and returns it."""
@@ -216,21 +273,8 @@ def pytest_run(loaded: LoadedExperiment, revisions: Revisions, run_dir: Path, pr
             entry["gate"] = fx.phase_verdict(None, f"{gate.path}: not run on a CPU machine (run_on_cpu: false)", {})
             log(f"pytest: {gate.name}: not run on CPU (run_on_cpu: false)")
             continue
-        log(f"pytest: {gate.name}: {gate.path} on " + " and ".join(f"{side} {getattr(revisions, side).sha[:12]}"
-                                                                  for side in SIDES) + " at once")
-
-        def one(side: str, gate=gate, files=files) -> dict:
-            return run_side(loaded, gate, getattr(revisions, side), files, run_dir / "pytest" / gate.name / side,
-                            profile_root, cpu_mode)
-
-        # at once unless the sides share a worktree (the frozen files are written over its copies)
-        with ThreadPoolExecutor(max_workers=len({getattr(revisions, side).worktree for side in SIDES})) as pool:
-            results = dict(zip(SIDES, pool.map(one, SIDES)))
-        for side, r in results.items():
-            entry["sides"][side] = r
-            log(f"pytest: {gate.name}: {side}: " + ", ".join(f"{n} {o}" for o, n in r["counts"].items() if n)
-                + f" (exit {r['returncode']}, "
-                + (f"{r['seconds']} s earlier, reused)" if r["reused"] else f"{r['seconds']} s)"))
+        entry["sides"] = run_sides(loaded, gate, revisions, files, run_dir / "pytest" / gate.name, profile_root,
+                                   cpu_mode, log)
         entry["gate"] = gate_verdict(gate, entry["sides"])
     (run_dir / PYTEST_FILE).write_text(json.dumps(record, indent=1, sort_keys=True))
     return record

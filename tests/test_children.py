@@ -201,6 +201,27 @@ def test_a_stop_a_finaliser_swallowed_still_refuses_the_next_worker():
     children.raise_if_stopped()  # nothing pending once the handlers are restored
 
 
+def test_a_stop_between_the_check_and_the_registration_kills_the_new_child(monkeypatch):
+    """A thread (the pytest gate's two sides) can pass start's check just before the stop signal's
+    handler runs kill_all in the main thread: the child it then starts must not outlive the stop."""
+    from harness import children
+
+    # the race, made certain: the stop arrives after the check, while Popen runs
+    real_popen = subprocess.Popen
+
+    def popen_then_stop(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        monkeypatch.setattr(children, "_stop_signal", signal.SIGTERM)
+        return proc
+
+    monkeypatch.setattr(children.subprocess, "Popen", popen_then_stop)
+    with pytest.raises(children.Stopped):
+        children.start([sys.executable, "-c", "import time; time.sleep(60)"])
+    with children._live_lock:
+        live = list(children._live.values())
+    assert all(p.poll() is not None for p in live)  # reaped, not sleeping on
+
+
 def test_sigterm_mid_bench_then_resume_completes_every_block_once(temp_repo):
     repo = sleepy_repo(temp_repo)
     exp = repo.experiment("term-resume", "main", SPEEDUP, blocks=3, samples=2, engine="blocks")

@@ -182,8 +182,11 @@ def test_pytest_gate_keeps_each_finished_side_for_a_resumed_run(foreign, tmp_pat
     lines: list[str] = []
     first = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lines.append)
     assert any("on baseline" in m and "and candidate" in m and m.endswith("at once") for m in lines), lines
-    sides = first["gates"]["own-tests"]["sides"]
-    assert not sides["baseline"]["reused"] and not sides["candidate"]["reused"]
+    base, cand = (first["gates"]["own-tests"]["sides"][s] for s in ("baseline", "candidate"))
+    assert not base["reused"] and not cand["reused"] and not base["alone"] and not cand["alone"]
+    # they did run at the same time
+    assert base["started"] < cand["started"] + cand["seconds"] and cand["started"] < base["started"] + base["seconds"]
+    assert "harness.pytest_tf32" in base["argv"]  # a CPU run's tests multiply fp32 as its workers do
 
     # an interrupted run: pytest.json never written, the baseline's result kept, the candidate's a
     # pytest that could not run (exit 2: no decision, so tried again)
@@ -193,13 +196,76 @@ def test_pytest_gate_keeps_each_finished_side_for_a_resumed_run(foreign, tmp_pat
     lines.clear()
     again = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lines.append)
     sides = again["gates"]["own-tests"]["sides"]
-    assert sides["baseline"]["reused"] and sides["baseline"]["seconds"] == first["gates"]["own-tests"]["sides"]["baseline"]["seconds"]
+    assert sides["baseline"]["reused"] and sides["baseline"]["seconds"] == base["seconds"]
     assert not sides["candidate"]["reused"] and sides["candidate"]["returncode"] == 0
     assert any("baseline" in m and "earlier, reused" in m for m in lines), lines
     assert again["gates"]["own-tests"]["gate"]["status"] == "PASS"
 
-    # another argv (here a narrower -k) is never a reuse
+    # another selection is never a reuse
     narrower = load_experiment(foreign.experiment(k="matches_reference and 16"))
     third = pytest_gate.pytest_run(narrower, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lambda m: None)
     assert not any(s["reused"] for s in third["gates"]["own-tests"]["sides"].values())
     assert third["gates"]["own-tests"]["sides"]["baseline"]["counts"]["passed"] == 1
+
+
+def test_pytest_gate_runs_a_side_that_fails_beside_the_other_again_alone(foreign, tmp_path):
+    from harness import pytest_gate
+    from harness.revisions import resolve
+    from harness.spec import load_experiment
+
+    foreign.branch("wrong", {"tinyops/pairwise.py": "def pairwise_sqdist(x, y):\n    return (x @ y.t()) * 0\n"})
+    loaded = load_experiment(foreign.experiment(candidate="wrong"))
+    revisions = resolve(loaded, tmp_path / "profile")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines: list[str] = []
+    record = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lines.append)
+    entry = record["gates"]["own-tests"]
+    cand = entry["sides"]["candidate"]
+    assert cand["alone"] and cand["returncode"] == 1 and cand["beside"]["returncode"] == 1
+    assert any("beside the other side; again alone" in m for m in lines), lines
+    assert entry["gate"]["status"] == "FAIL" and not entry["sides"]["baseline"]["alone"]
+    # the alone result is the one kept: a resumed run reuses it
+    (run_dir / "pytest.json").unlink()
+    again = pytest_gate.pytest_run(loaded, revisions, run_dir, tmp_path / "profile", cpu_mode=True, log=lambda m: None)
+    assert all(s["reused"] for s in again["gates"]["own-tests"]["sides"].values())
+
+
+def test_pytest_gate_sides_sharing_a_worktree_run_one_after_the_other(foreign, tmp_path):
+    import dataclasses
+
+    from harness import pytest_gate
+    from harness.revisions import resolve
+    from harness.spec import load_experiment
+
+    foreign.branch("edits-tests", {"tests/test_pairwise.py": TESTS_EDITED})
+    loaded = load_experiment(foreign.experiment(candidate="edits-tests"))
+    revisions = resolve(loaded, tmp_path / "profile")
+    shared = dataclasses.replace(revisions, candidate=dataclasses.replace(revisions.candidate,
+                                                                          worktree=revisions.baseline.worktree))
+    wt = Path(revisions.baseline.worktree)
+    before = (wt / "tests" / "test_pairwise.py").read_text()
+    lines: list[str] = []
+    (tmp_path / "run").mkdir()
+    record = pytest_gate.pytest_run(loaded, shared, tmp_path / "run", tmp_path / "profile", cpu_mode=True,
+                                    log=lines.append)
+    sides = record["gates"]["own-tests"]["sides"]
+    assert all(s["alone"] for s in sides.values()) and record["gates"]["own-tests"]["gate"]["status"] == "PASS"
+    assert sides["baseline"]["started"] + sides["baseline"]["seconds"] <= sides["candidate"]["started"] + 0.01
+    assert any(m.endswith("one after the other (one worktree)") for m in lines), lines
+    assert (wt / "tests" / "test_pairwise.py").read_text() == before
+
+
+def test_pytest_env_leaves_autotune_results_uncached(foreign, tmp_path, monkeypatch):
+    from harness.pytest_gate import pytest_env
+    from harness.revisions import resolve
+    from harness.spec import load_experiment
+
+    monkeypatch.setenv("TRITON_CACHE_AUTOTUNING", "1")
+    foreign.slow_candidate()
+    loaded = load_experiment(foreign.experiment())
+    revisions = resolve(loaded, tmp_path / "profile")
+    for cpu_mode in (True, False):
+        env = pytest_env(loaded, revisions.baseline, tmp_path / "profile", cpu_mode)
+        assert "TRITON_CACHE_AUTOTUNING" not in env
+        assert env["PYTHONPATH"].split(os.pathsep)[0] == revisions.baseline.worktree

@@ -45,3 +45,26 @@ def test_relaxed_oracle_after_a_red_baseline_is_named_and_not_rerun(tmp_path):
     log = []
     again = fixtures.freeze(relaxed, r.resolve(relaxed), r.profile, device="cpu", recheck=True, log=log.append)
     assert again.terminal and again.created == red.created and len(log) == 1, log
+
+
+def test_a_cpu_freeze_under_other_fp32_arithmetic_is_not_reused(tmp_path):
+    """Whether the CPU gate emulated TF32 dots is not in the manifest (the fixtures do not depend on
+    it) but decides what the gate could pass: a record made the other way is checked again."""
+    r = OracleRepo(tmp_path)
+    loaded = r.experiment()
+    revisions = r.resolve(loaded)
+    rec = fixtures.freeze(loaded, revisions, r.profile, device="cpu", recheck=True, log=quiet)
+    assert rec.contract["emulate_tf32"] is True and fixtures.contract_of(loaded, "cuda")["emulate_tf32"] is None
+    log: list[str] = []
+    fixtures.freeze(loaded, revisions, r.profile, device="cpu", log=log.append)
+    assert any("reusing" in m for m in log), log
+
+    path = fixtures.freeze_path(r.profile, "toy")
+    for edit in (lambda d: d["contract"].update(emulate_tf32=False), lambda d: d.pop("contract")):
+        record = json.loads(path.read_text())
+        edit(record)
+        path.write_text(json.dumps(record))
+        log = []
+        again = fixtures.freeze(loaded, revisions, r.profile, device="cpu", log=log.append)
+        assert not any("reusing" in m for m in log) and again.status == "PASS", log
+        assert again.contract["emulate_tf32"] is True and again.bench_base_sha == rec.bench_base_sha

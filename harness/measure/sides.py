@@ -79,6 +79,11 @@ def side_op(exp, side: str) -> dict:
             "package": declared.package.model_dump() if declared.is_package else None}
 
 
+def emulates_tf32(loaded: LoadedExperiment) -> bool:
+    """Whether a CPU run of the experiment emulates TF32 dots (harness/interpreter_tf32.py)."""
+    return loaded.exp.cpu is None or loaded.exp.cpu.emulate_tf32
+
+
 def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: bool) -> dict[str, str]:
     """The block's environment: the side's declared env and the experiment's persistent Triton cache."""
     env = dict(os.environ)
@@ -96,8 +101,9 @@ def side_env(loaded: LoadedExperiment, side: str, profile_root: Path, cpu_mode: 
     # runs at interpreter start in every process of the side (e.g. an interpreter shim)
     extra = [str(p) for p in loaded.cpu_python_path] if cpu_mode else []
     env["PYTHONPATH"] = os.pathsep.join([str(HARNESS_ROOT), *extra, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.pop(interpreter_tf32.ENV, None)  # the experiment decides, never an inherited variable
     if cpu_mode:
         env["TRITON_INTERPRET"] = "1"
-        if loaded.exp.cpu is None or loaded.exp.cpu.emulate_tf32:
+        if emulates_tf32(loaded):
             env[interpreter_tf32.ENV] = "1"
     return env

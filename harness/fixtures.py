@@ -595,10 +595,11 @@ def _reusable(loaded, revisions, profile_root, device, log) -> FreezeRecord | No
         manifest, digest = read_manifest_at(repo, rec.bench_base_sha, loaded.exp.name)
     except FreezeError:
         return None
-    if digest != rec.manifest_sha256 or contract_changes(loaded, manifest, rec.device):
+    now = contract_of(loaded, rec.device)
+    if digest != rec.manifest_sha256 or diff_contracts(contract_in_manifest(manifest), now, "frozen"):
         return None
     # what the manifest does not hold (how a CPU gate multiplies fp32): an older record has no contract
-    if (rec.contract or {}).get("emulate_tf32") != contract_of(loaded, rec.device)["emulate_tf32"]:
+    if (rec.contract or {}).get("emulate_tf32") != now["emulate_tf32"]:
         return None
     frozen_now = frozen_path_list(loaded, repo, rec.bench_base_sha)
     if sorted(frozen_now) != sorted(manifest.get("frozen_paths", {})):

@@ -590,13 +590,17 @@ def check_expectation(exp, base_stage: dict | None, cand_stage: dict | None,
             who = st.get("missing", {}).get(exp.metric) or st.get("kernels")
             res["reason"] = f"{side}: metric {exp.metric!r} is missing from the report for stage {exp.stage!r} (kernels {who})"
             return res
+    if not needs_base and base_stage and base_stage.get("matched"):
+        # the rule reads the candidate alone; the baseline's value is shown beside it, so a reader
+        # sees whether the candidate introduced the excess or inherited it
+        res["baseline"] = stage_value(base_stage, exp.metric)
     b, c, x = res["baseline"], res["candidate"], exp.value
     if exp.relation == "lower_by_at_least":
         ok, shown = (b - c) >= x, f"baseline - candidate = {b - c:g} vs >= {x:g}"
     elif exp.relation == "higher_by_at_most":
         ok, shown = (c - b) <= x, f"candidate - baseline = {c - b:g} vs <= {x:g}"
     elif exp.relation == "candidate_at_most":
-        ok, shown = c <= x, f"candidate = {c:g} vs <= {x:g}"
+        ok, shown = c <= x, f"candidate = {c:g} vs <= {x:g}" + ("" if b is None else f" (baseline {b:g})")
     else:
         if b == 0:
             res["reason"] = f"baseline {exp.metric} is 0 for stage {exp.stage!r}: the ratio is undefined"

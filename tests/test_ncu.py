@@ -221,6 +221,11 @@ def test_spills_on_candidate_fail_candidate_at_most_zero():
     e = NcuExpectation(stage="replaced", metric="spill_local_requests", relation="candidate_at_most", value=0)
     res = ncu.check_expectation(e, b, c)
     assert res["status"] == "FAIL" and res["candidate"] == 7
+    # the baseline's value is shown beside it (did the candidate bring the spills or inherit them?)
+    assert res["baseline"] == ncu.stage_value(b, "spill_local_requests")
+    assert res["reason"].endswith(f"(baseline {res['baseline']:g})")
+    # and a baseline stage that was not profiled does not make the candidate-only rule inconclusive
+    assert ncu.check_expectation(e, None, c)["status"] == "FAIL"
 
 
 def test_missing_metric_makes_expectation_inconclusive():

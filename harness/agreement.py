@@ -170,6 +170,11 @@ def agreement_run(loaded: LoadedExperiment, revisions, run_dir: Path, profile_ro
     record = {"kind": "agreement", "dtype": settings.dtype, "cpu_mode": cpu_mode, "checks": results,
               "gate": {"status": status, "reason": reason, "numbers": gate_numbers}}
     (run_dir / "agreement.json").write_text(json.dumps(record, indent=2))
+    if status == "PASS":
+        # the compared outputs served their purpose (506 MB a side at B4_T2048_H16_D128 in bf16, which a
+        # device call then had to pack); a disagreement or a missing side keeps them for a look
+        for side in ("baseline", "candidate"):
+            (work / f"{side}.safetensors").unlink(missing_ok=True)
     log(f"agreement: {status or 'INCONCLUSIVE'}: {reason[:200]}")
     return record
 

@@ -26,6 +26,9 @@ def test_same_function_agrees_and_a_different_one_fails_naming_the_tensor(temp_r
     assert rec["gate"]["status"] == "PASS"
     # fwd: the output; fwdbwd: the output and both gradients
     assert sorted((c["mode"], c["tensor"]) for c in rec["checks"]) == [("fwd", "0"), ("fwdbwd", "0"), ("fwdbwd", "1"), ("fwdbwd", "2")]
+    # agreed outputs are dropped once compared (they are hundreds of MB at model rows); logs stay
+    [work] = (temp_repo.root / "profile" / "agree" / "runs").glob("*/agreement-work")
+    assert not list(work.glob("*.safetensors")) and (work / "candidate.log").exists()
 
     exp2 = temp_repo.experiment("disagree", "other", AGREE, extra="modes: [fwd, fwdbwd]\n")
     exp2.write_text(exp2.read_text().replace("modes: [fwd]\n", "", 1))
@@ -33,6 +36,9 @@ def test_same_function_agrees_and_a_different_one_fails_naming_the_tensor(temp_r
     assert res.returncode == 1, res.stdout + res.stderr
     rec = agreement_record(temp_repo, "disagree")
     assert rec["gate"]["status"] == "FAIL" and "small/fwd 0: worst ratio" in rec["gate"]["reason"]
+    # a disagreement keeps both sides' outputs for a look
+    [work] = (temp_repo.root / "profile" / "disagree" / "runs").glob("*/agreement-work")
+    assert sorted(p.name for p in work.glob("*.safetensors")) == ["baseline.safetensors", "candidate.safetensors"]
     [report] = (temp_repo.root / "reports" / "disagree").glob("*/report.json")
     gate = next(g for g in json.loads(report.read_text())["gates"] if g["name"] == "same-function")
     assert gate["status"] == "FAIL"

@@ -19,7 +19,8 @@
 #   call on the same machine), finished before this run's first timed block;
 #   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
 #   kernels compile, before any timed block; FINAL=1 sends records.tgz (the run's JSON records
-#   and logs, the run's ncu reports if small) instead of resumable state.
+#   and logs, the run's ncu reports if small) instead of resumable state; a run that reached its
+#   verdict always comes back that way.
 # What comes back in $OUT: run.log, report.json + index.html when the run finished, and
 # state.tgz.aa, .ab, ... (the results root: records, verify/profile/ncu JSON, Triton caches or
 # their autotune results, the bench-base/* branches freeze made in each repository; no worktrees,
@@ -113,6 +114,14 @@ for r in . targets/*; do
   [ -n "$keep" ] && git -C "$r" bundle create -q "$PWD/results/bench-base/$([ "$r" = . ] && echo repo || basename "$r").bundle" \
     $keep $have
 done
+# a run that reached its verdict (exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE) has nothing to resume: its
+# records come back as on a last call (on 2026-12-07 packing 2 GB of resumable state for a finished
+# run took a call past its limit)
+case "$rc" in
+  0|1|3) if [ "${FINAL:-0}" != 1 ]; then
+           echo "the run is finished: sending its records (as FINAL=1)"; cp "$WARM_LOG" "$OUT/warm.log"; FINAL=1
+         fi ;;
+esac
 if [ "${FINAL:-0}" = 1 ]; then
   # the records to keep (never into git: they go to the results root here): run dir, freeze/verify/profile
   # JSON, attempts, the run's ncu reports when they fit in one 15 MB archive
@@ -131,10 +140,11 @@ fi
 # Only when the uncompressed records could fit is the whole tree compressed at all: on 2026-12-03
 # a 1.2 GB profile/ (two experiments' Triton caches) took the call past its limit in that tar.
 MAXP=$(( 8 - $(find "$OUT" -type f | wc -l) ))   # the 8-file limit counts the report, logs and fixtures too
-RAW=$(du -sb --exclude=worktrees --exclude='*.ncu-rep' results | cut -f1)
+SCRATCH=(--exclude=worktrees --exclude='*.ncu-rep' --exclude='agreement-work/*.safetensors')   # none needed to resume
+RAW=$(du -sb "${SCRATCH[@]}" results | cut -f1)
 n=999
 if [ "$RAW" -le $(( MAXP * 45000000 )) ]; then   # Triton caches compress ~6.5x (126 MB -> 19 MB)
-  if timeout 120 tar czf /tmp/state-full.tgz --exclude=worktrees --exclude='*.ncu-rep' results; then
+  if timeout 120 tar czf /tmp/state-full.tgz "${SCRATCH[@]}" results; then
     split -b 15m /tmp/state-full.tgz /tmp/state-full. && rm -f /tmp/state-full.tgz
     n=$(ls /tmp/state-full.* | wc -l)
   fi
@@ -145,7 +155,7 @@ if [ "$n" -le "$MAXP" ]; then
 else
   echo "state is $n pieces with the Triton caches: sending their autotune results only"
   find results -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
-  tar czf - --exclude=worktrees --exclude='*.ncu-rep' --exclude-from=/tmp/drop.txt results | split -b 15m - "$OUT/state.tgz."
+  tar czf - "${SCRATCH[@]}" --exclude-from=/tmp/drop.txt results | split -b 15m - "$OUT/state.tgz."
 fi
 du -sh results/profile/triton-cache 2>/dev/null
 ls -la "$OUT"

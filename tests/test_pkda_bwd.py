@@ -392,3 +392,33 @@ def test_intra_warps_knob_reaches_the_kernels_autotune_space():
     env["PKDA_BWD_INTRA_WARPS"] = "3"
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "PKDA_BWD_INTRA_WARPS='3'" in out.stderr
+
+
+@pytest.mark.parametrize("BK,K,V,cu", [(32, 48, 32, None), (16, 64, 32, [0, 20, 70])])
+def test_intra_tile_width_knob_gives_the_same_gradients(BK, K, V, cu, monkeypatch):
+    """PKDA_BWD_INTRA_BK's narrower K tiles (more programs, more dbeta partials, a masked last
+    tile at K=48) give what the default 64-wide tile gives, and the fp64 oracle's gradients."""
+    d = make(1, 70, 2, K, V, cu)
+    sv = saved_from_reference(d)
+    wide = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="materialised")
+    monkeypatch.setattr(bwd, "INTRA_BK", BK)
+    made, new = [], bwd._new
+    monkeypatch.setattr(bwd, "_new", lambda shape, *a, **k: made.append(tuple(shape)) or new(shape, *a, **k))
+    narrow = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="materialised")
+    assert (-(-K // BK), 1, 70, 2) in made  # the dbeta partials: one per K tile of the narrow width
+    for n in NAMES:
+        if wide[n] is None:
+            assert narrow[n] is None
+            continue
+        torch.testing.assert_close(narrow[n], wide[n], rtol=1e-5, atol=1e-6, msg=n)
+    check(narrow, oracle(d), 2e-5)
+
+
+def test_intra_tile_width_knob_parses_and_rejects_bad_values():
+    from kernels.pkda.bwd import tile_from_env
+
+    assert tile_from_env("PKDA_BWD_INTRA_BK", 64, env={}) == 64
+    assert tile_from_env("PKDA_BWD_INTRA_BK", 64, env={"PKDA_BWD_INTRA_BK": " 32 "}) == 32
+    for bad in ("48", "thirty-two", "32,16", "0"):
+        with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_BK=.*expected one of 16, 32, 64"):
+            tile_from_env("PKDA_BWD_INTRA_BK", 64, env={"PKDA_BWD_INTRA_BK": bad})

@@ -111,6 +111,23 @@ def warps_from_env(name: str, default: tuple[int, ...], env=None) -> tuple[int, 
     return warps
 
 
+def tile_from_env(name: str, default: int, allowed=(16, 32, 64), env=None) -> int:
+    """One kernel's tile width: env var `name` ("32") or `default`, read once at import like
+    warps_from_env, so a tile size is an env-only candidate too."""
+    env = os.environ if env is None else env
+    text = env.get(name, "").strip()
+    if not text:
+        return default
+    if text not in {str(a) for a in allowed}:
+        raise ValueError(f"{name}={text!r}: expected one of {', '.join(map(str, allowed))}")
+    return int(text)
+
+
+# the K tile of bwd.intra: every [64, BK] operand tile of a program is FP32, so the tile width is
+# the kernel's register lever (more programs, each fragment of dAqk / dAkk read once more per tile)
+INTRA_BK = tile_from_env("PKDA_BWD_INTRA_BK", 64)
+
+
 def _dot_dtype(dtype: torch.dtype):
     """Operand dtype of tl.dot: fp16/bf16 inputs feed tensor cores in their own dtype;
     fp32 inputs use IEEE fp32 dots."""
@@ -723,7 +740,7 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     """bwd.intra (materialised): adds the intra-chunk parts onto grads' dq/dk/dp/dG in place,
     dbeta through NK partials and pkda_bwd_beta_reduce_kernel."""
     B, T, H, K = q.shape
-    BK = _bk(K)
+    BK = min(INTRA_BK, _bk(K))
     NK = triton.cdiv(K, BK)
     TT = B * T
     part = _new((NK, B, T, H), q, lay.covered)

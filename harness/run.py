@@ -183,6 +183,20 @@ def _run(loaded: LoadedExperiment, opts: RunOptions, log: Progress) -> tuple[str
         return _run_locked(loaded, opts, log, run_id, run_dir, existed)
 
 
+def device_change(started: dict | None, now: dict) -> str | None:
+    """How the machine resuming a GPU run differs from the one that started it, or None. A pool
+    that lends H100s and H200s alike can hand a resumed run the other card: its rounds would then
+    mix two cards' timings in one interval."""
+    if not isinstance(started, dict) or started.get("kind") != "cuda":
+        return None  # an older manifest without the card: nothing to hold it to
+    if now.get("kind") != "cuda":
+        return f"started on {started.get('name')}; this machine has no GPU"
+    if now.get("name") != started.get("name") or now.get("sm_count") != started.get("sm_count"):
+        return (f"started on {started.get('name')} ({started.get('sm_count')} SMs); this machine has "
+                f"{now.get('name')} ({now.get('sm_count')} SMs)")
+    return None
+
+
 def _read_manifest(path: Path) -> dict:
     try:
         manifest = json.loads(path.read_text())
@@ -208,6 +222,13 @@ def _run_locked(loaded: LoadedExperiment, opts: RunOptions, log: Progress, run_i
         if manifest.get("experiment_yaml") != loaded.path.read_text():
             raise RunError(f"{loaded.path} changed since run {run_id} started; resume needs the same experiment "
                            "(start a new run instead)")
+        if not manifest["cpu_mode"]:
+            from harness.device import device_info
+
+            changed = device_change(manifest.get("device"), device_info())
+            if changed:
+                raise RunError(f"run {run_id} {changed}: one run's rounds and its ncu passes come from one card "
+                               f"model; resume it on such a card, or start a new run (another --run-id)")
         revisions = rev.Revisions.from_json(manifest["revisions"])
         rev.check_unmoved(revisions)
         rev.ensure_worktrees(revisions)

@@ -119,6 +119,19 @@ def test_sigkill_mid_block_resumes_without_loss_or_duplicates(temp_repo):
     assert killed_block == 2, "the run never reached block 2"
     assert 2 not in {b.index for b in completed_blocks(samples)}
 
+    # a run started on a GPU is not resumed on another machine kind: refused as a setup error (exit 2),
+    # its records untouched
+    manifest_path = samples.parent / "run.json"
+    kept, before = manifest_path.read_text(), samples.read_bytes()
+    manifest = json.loads(kept)
+    manifest.update(cpu_mode=False, device={"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "sm_count": 132})
+    manifest_path.write_text(json.dumps(manifest))
+    res = run_exp(temp_repo, exp, "--resume", "--run-id", "r1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "run r1 started on NVIDIA H100 80GB HBM3; this machine has no GPU" in res.stderr + res.stdout
+    assert samples.read_bytes() == before
+    manifest_path.write_text(kept)
+
     res = run_exp(temp_repo, exp, "--resume", "--run-id", "r1")
     assert res.returncode in (0, 3), res.stdout + res.stderr
     done = completed_blocks(samples)
@@ -205,3 +218,15 @@ def test_env_only_candidate_runs_with_its_env_and_the_report_shows_it(temp_repo)
     assert prov["baseline"]["env"] == {} and prov["candidate"]["env"] == {"OP_WORK": "1"}
     assert report["rows"][0]["speedup"]["point"] > 1.5  # 8 rounds against 1
     assert 'id="env-candidate"><code>OP_WORK=1</code>' in html and 'id="env-baseline">none declared' in html
+
+
+def test_device_change_names_both_cards():
+    from harness.run import device_change
+
+    h100 = {"kind": "cuda", "name": "NVIDIA H100 80GB HBM3", "sm_count": 132}
+    h200 = {"kind": "cuda", "name": "NVIDIA H200", "sm_count": 132}
+    assert device_change(h100, dict(h100, uuid="another card of the same model")) is None
+    assert device_change(h100, h200) == ("started on NVIDIA H100 80GB HBM3 (132 SMs); this machine has "
+                                         "NVIDIA H200 (132 SMs)")
+    assert device_change(h100, dict(h100, sm_count=114)).endswith("(114 SMs)")  # a cut-down part of one name
+    assert device_change(None, h200) is None and device_change({"kind": "cpu", "name": "x86_64"}, h200) is None

@@ -14,7 +14,8 @@
 #   path of an experiment file in this repository (its file name is the experiment's name).
 # A call that finds the last call's machine still warm (the next call made within its idle time)
 #   reuses that machine's /tmp/repo whole when it holds the same commit, and ignores .carry.
-# Env knobs: RUN_ID (default h200); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
+# Env knobs: RUN_ID (default the card's model, h100 or h200: the pool lends either, and a run is
+#   resumed only on the card model it started on); WARM_ARGS (e.g. --no-fixtures once freeze/verify are done);
 #   ALSO_WARM="exp ..." also compiles those experiments' kernels beside this warm (for the next
 #   call on the same machine), finished before this run's first timed block;
 #   CAPTURE=1 also captures the small ncu test fixtures (tools/capture_ncu_fixtures.sh) while the
@@ -30,7 +31,8 @@ EXP=${1:?experiment name or file}
 BUDGET=${2:-480}        # seconds for `harness warm` + `harness run`; the rest of the call packs results
 shift 2 || true
 RUN_ARGS=("$@")
-RUN_ID=${RUN_ID:-h200}
+CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oiE '[A-Z][0-9]{2,4}' | head -1 | tr 'A-Z' 'a-z')
+RUN_ID=${RUN_ID:-${CARD:-gpu}}
 HERE=$PWD
 exp_file() { case "$1" in *.yaml) echo "$1" ;; *) echo "experiments/$1.yaml" ;; esac; }
 EXP_FILE=$(exp_file "$EXP")

@@ -255,6 +255,22 @@ def test_stage_h(stages):
     assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
 
 
+@pytest.mark.parametrize("i", range(len(F_.H_SPACE)))
+def test_stage_h_in_every_config_of_its_autotune_space(stages, i, monkeypatch):
+    """The interpreter runs only the first config of a space; each other config's tile (BV) is
+    run here by making it the only one, against the reference stage (V=128: 2 to 8 V blocks)."""
+    import triton
+
+    meta, warps, n_stages = F_.H_SPACE[i]
+    monkeypatch.setattr(F_.pkda_fwd_h_kernel, "configs", [triton.Config(dict(meta), num_warps=warps,
+                                                                        num_stages=n_stages)])
+    ri, ra, d = stages["ref_intra"], stages["ref_atk"], stages["d"]
+    h, Delta, S_fin = F_.fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], stages["lay"], d["initial_state"],
+                               output_final_state=True)
+    r = stages["ref_h"]
+    assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
+
+
 def test_stage_o(stages):
     assert rel(stages["o"], stages["ref_o"]) < 1e-5
 

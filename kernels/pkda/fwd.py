@@ -658,20 +658,67 @@ def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout):
 
 
 # ============================================================================ fwd.h
-# BV 16 at 4 warps and BV 32 at 8 are the two configs an offline sm_90 compile finds spill-free at
-# K=V=256 as at 128 (every config of the first three spills at 256; docs/perf/pkda.md)
+# One program per (sequence, head, V tile) walks every chunk in turn. The state S [K, BV] is held
+# as 64-row K blocks (up to four) and W, G, p are read 64 columns at a time, so no [64, K] FP32 tile
+# is live at once (the full-K kernel spilled in every config at K=256 and at BV 64 with 4 warps at
+# 128, offline sm_90 compile); fla's h kernel splits K this way (0.089 ms against ours' 0.133 at
+# B4_T2048_H16_D128 on an H100, 2026-12-07). The V tile is tuned with the warps.
 H_SPACE = [({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2), ({"BV": 16}, 4, 2), ({"BV": 32}, 8, 2)]
+H_BK = 64   # the K block
+
+
+@triton.jit
+def _h_kv(o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    """Offsets of K block j of a [K, V] state, columns o_v."""
+    return (j * BKB + tl.arange(0, BKB))[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def _h_load(h0, st, o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+            HAS_H0: tl.constexpr):
+    if HAS_H0:
+        return tl.load(h0 + st + _h_kv(o_v, V, j, BKB)).to(tl.float32)
+    else:
+        return tl.zeros([BKB, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _h_store(out, base, b, o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    tl.store(out + base + _h_kv(o_v, V, j, BKB), b.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _h_wS(w, b_S, rows, m_t, i_h, H, K: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr,
+          PREC: tl.constexpr):
+    """W[:, block j] @ S[block j]: block j's share of W S, [BT, BV] FP32."""
+    DT: tl.constexpr = w.dtype.element_ty
+    rk = (rows * H + i_h)[:, None] * K + (j * BKB + tl.arange(0, BKB))[None, :]
+    b_w = tl.load(w + rk, mask=m_t[:, None], other=0.)
+    return tl.dot(b_w, b_S.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _h_step(p, G, b_S, b_d, rows, m_t, last, i_h, H, K: tl.constexpr, j: tl.constexpr,
+            BKB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Block j of S carried over the chunk: diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta."""
+    o_k = j * BKB + tl.arange(0, BKB)
+    rk = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_gl = tl.load(G + (last * H + i_h) * K + o_k)
+    b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
+    b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_kg = tl.where(m_t[:, None], b_p * tl.exp(tl.where(m_t[:, None], b_gl[None, :] - b_G, 0.)), 0.)
+    return b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_d.to(DT), input_precision=PREC)
 
 
 @triton.autotune(configs=_configs(H_SPACE), key=["H", "K", "V"])
 @triton.jit
 def pkda_fwd_h_kernel(w, u, p, G, h0, h, delta, ht, cu, chunk_offsets, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-                      HAS_H0: tl.constexpr, STORE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      PREC: tl.constexpr):
-    # one program per (sequence, head, V block), looping over the sequence's chunks:
-    # Delta = U - W S;  S <- diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta
+                      BKB: tl.constexpr, HAS_H0: tl.constexpr, STORE_H: tl.constexpr,
+                      STORE_FINAL: tl.constexpr, PREC: tl.constexpr):
+    # Delta = U - W S;  S <- diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta, block by block
     NV: tl.constexpr = V // BV
+    NKB: tl.constexpr = K // BKB   # 1, 2 or 4
     DT: tl.constexpr = w.dtype.element_ty
     pid = tl.program_id(0)
     i_v = pid % NV
@@ -682,35 +729,55 @@ def pkda_fwd_h_kernel(w, u, p, G, h0, h, delta, ht, cu, chunk_offsets, H,
     eos = tl.load(cu + i_n + 1).to(tl.int64)
     L = eos - bos
     c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_t = tl.arange(0, BT)
-    kv = o_k[:, None] * V + o_v[None, :]
     st = (i_n.to(tl.int64) * H + i_h) * K * V
-    if HAS_H0:
-        b_S = tl.load(h0 + st + kv).to(tl.float32)
-    else:
-        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    b_S0 = _h_load(h0, st, o_v, V, 0, BKB, BV, HAS_H0)
+    if NKB > 1:
+        b_S1 = _h_load(h0, st, o_v, V, 1, BKB, BV, HAS_H0)
+    if NKB > 2:
+        b_S2 = _h_load(h0, st, o_v, V, 2, BKB, BV, HAS_H0)
+    if NKB > 3:
+        b_S3 = _h_load(h0, st, o_v, V, 3, BKB, BV, HAS_H0)
     for i_t in range(0, tl.cdiv(L, BT)):
         if STORE_H:
-            tl.store(h + ((c0 + i_t) * H + i_h) * K * V + kv, b_S.to(h.dtype.element_ty))
+            sh = ((c0 + i_t) * H + i_h) * K * V
+            _h_store(h, sh, b_S0, o_v, V, 0, BKB)
+            if NKB > 1:
+                _h_store(h, sh, b_S1, o_v, V, 1, BKB)
+            if NKB > 2:
+                _h_store(h, sh, b_S2, o_v, V, 2, BKB)
+            if NKB > 3:
+                _h_store(h, sh, b_S3, o_v, V, 3, BKB)
         pos = i_t * BT + o_t
         m_t = pos < L
         rows = bos + pos
-        rk = (rows * H + i_h)[:, None] * K + o_k[None, :]
         rv = (rows * H + i_h)[:, None] * V + o_v[None, :]
-        b_w = tl.load(w + rk, mask=m_t[:, None], other=0.)
-        b_u = tl.load(u + rv, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_d = b_u - tl.dot(b_w, b_S.to(DT), input_precision=PREC)
+        b_d = tl.load(u + rv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_d -= _h_wS(w, b_S0, rows, m_t, i_h, H, K, 0, BKB, PREC)
+        if NKB > 1:
+            b_d -= _h_wS(w, b_S1, rows, m_t, i_h, H, K, 1, BKB, PREC)
+        if NKB > 2:
+            b_d -= _h_wS(w, b_S2, rows, m_t, i_h, H, K, 2, BKB, PREC)
+        if NKB > 3:
+            b_d -= _h_wS(w, b_S3, rows, m_t, i_h, H, K, 3, BKB, PREC)
         tl.store(delta + rv, b_d.to(delta.dtype.element_ty), mask=m_t[:, None])
         last = bos + i_t * BT + tl.minimum(L - i_t * BT, BT) - 1
-        b_gl = tl.load(G + (last * H + i_h) * K + o_k)
-        b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
-        b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_kg = tl.where(m_t[:, None], b_p * tl.exp(tl.where(m_t[:, None], b_gl[None, :] - b_G, 0.)), 0.)
-        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_d.to(DT), input_precision=PREC)
+        b_S0 = _h_step(p, G, b_S0, b_d, rows, m_t, last, i_h, H, K, 0, BKB, DT, PREC)
+        if NKB > 1:
+            b_S1 = _h_step(p, G, b_S1, b_d, rows, m_t, last, i_h, H, K, 1, BKB, DT, PREC)
+        if NKB > 2:
+            b_S2 = _h_step(p, G, b_S2, b_d, rows, m_t, last, i_h, H, K, 2, BKB, DT, PREC)
+        if NKB > 3:
+            b_S3 = _h_step(p, G, b_S3, b_d, rows, m_t, last, i_h, H, K, 3, BKB, DT, PREC)
     if STORE_FINAL:
-        tl.store(ht + st + kv, b_S)
+        _h_store(ht, st, b_S0, o_v, V, 0, BKB)
+        if NKB > 1:
+            _h_store(ht, st, b_S1, o_v, V, 1, BKB)
+        if NKB > 2:
+            _h_store(ht, st, b_S2, o_v, V, 2, BKB)
+        if NKB > 3:
+            _h_store(ht, st, b_S3, o_v, V, 3, BKB)
 
 
 def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_state=False,
@@ -728,7 +795,7 @@ def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_stat
     if layout.N:
         pkda_fwd_h_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
             W, U, p, G, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
-            K=K, V=V, BT=BT, HAS_H0=h0 is not None, STORE_H=store_h,
+            K=K, V=V, BT=BT, BKB=min(H_BK, K), HAS_H0=h0 is not None, STORE_H=store_h,
             STORE_FINAL=output_final_state, PREC=_dot_prec(W.dtype))
     return h, Delta, ht
 

@@ -13,7 +13,7 @@ EXP_FILE = $(if $(or $(findstring /,$(EXP)),$(filter %.yaml %.yml,$(EXP))),$(EXP
 PINS := torch==2.13.0 triton==3.7.1 numpy==2.4.6 scipy==1.17.1 pyyaml==6.0.4 pydantic==2.14.4 \
         jinja2==3.1.6 matplotlib==3.11.2 rich==15.0.0 gitpython==3.2.1 nvtx==0.2.17 pytest==9.2.0 \
         safetensors==0.8.0 playwright==1.65.2 ncu-report==2026.3.1 jsonschema==4.26.0 \
-        pytest-timeout==2.4.0
+        pytest-timeout==2.4.0 pytest-xdist==3.8.0
 # Written when the pinned install succeeded; it is older than the Makefile (the pins) or
 # pyproject.toml only when those changed, so every other `make run` / `make test` skips pip.
 SETUP_STAMP := $(VENV)/.setup-done

@@ -13,4 +13,11 @@ if [ "${HARNESS_NO_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1 
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 fi
 export TRITON_INTERPRET=1
-python -m pytest -q --durations=15 "$@"  # the slowest tests listed: CI must stay well inside 90 minutes
+# Two workers (HARNESS_TEST_WORKERS; 0 runs serially): most slow tests wait on subprocesses, Slurm or
+# a browser, so two share CI's two cores well (~20 min against ~32 serially, 2026-12-07). Whole files
+# go to one worker (--dist loadfile): the Slurm tests share one cluster that one of them restarts, and
+# module fixtures (a browser, a fresh Triton compile) are made once. (xdist_group marks would be
+# finer, but pytest-xdist 3.8's loadgroup does nothing under pytest 9.2, whose nodes keep no _nodeid.)
+WORKERS=${HARNESS_TEST_WORKERS:-2}
+PAR=(); [ "$WORKERS" != 0 ] && PAR=(-n "$WORKERS" --dist loadfile)
+python -m pytest -q "${PAR[@]}" --durations=15 "$@"  # the slowest tests listed: CI must stay well inside 90 minutes

@@ -422,3 +422,31 @@ def test_intra_tile_width_knob_parses_and_rejects_bad_values():
     for bad in ("48", "thirty-two", "32,16", "0"):
         with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_BK=.*expected one of 16, 32, 64"):
             tile_from_env("PKDA_BWD_INTRA_BK", 64, env={"PKDA_BWD_INTRA_BK": bad})
+
+
+@pytest.mark.parametrize("K,V,cu", [(256, 32, None), (160, 16, [0, 37, 70]), (100, 64, None)])
+def test_dhu_over_one_to_four_K_blocks_matches_the_reference_stage(K, V, cu, monkeypatch):
+    """bwd.dhu holds dE as 64-row blocks: four at K=256, three (the last masked) at K=160, two at
+    K=100; each with every BV of its autotune space (the interpreter runs one config: each is made
+    the only one in turn), against the fp64 reference stage (dht given: the state enters too)."""
+    import triton
+
+    d = make(1, 70, 1, K, V, cu)
+    S = _ref_stages(d)
+    sv = saved_from_reference(d)
+    lay = bwd._layout(1, 70, d["cu"], "cpu")
+    _, dv_loc = bwd.bwd_dAv(d["do"], sv["Delta"], sv["Aqk"], d["scale"], lay)
+    for meta, warps, stages in bwd.DHU_SPACE:
+        monkeypatch.setattr(bwd.pkda_bwd_dhu_kernel, "configs",
+                            [triton.Config(dict(meta), num_warps=warps, num_stages=stages)])
+        dE, dDelta, dS0 = bwd.bwd_dhu(d["q"], sv["p"], sv["G"], sv["W"], d["do"], dv_loc, d["dht"],
+                                      d["scale"], lay)
+        for got, ref, name in ((dE, S["dE"], "dE"), (dDelta, S["dDelta"], "dDelta"), (dS0, S["dS0"], "dS0")):
+            assert rel(got, ref) < 2e-5, (meta, name)
+
+
+def test_dhu_refuses_K_over_four_blocks():
+    lay = bwd._layout(1, 64, None, "cpu")
+    x = torch.zeros(1, 64, 1, 320)
+    with pytest.raises(ValueError, match=r"bwd.dhu holds dE as at most 4 blocks of 64 rows: K=320 > 256"):
+        bwd.bwd_dhu(x, x, x, x, torch.zeros(1, 64, 1, 64), torch.zeros(1, 64, 1, 64), None, 1.0, lay)

@@ -255,6 +255,45 @@ def test_stage_h(stages):
     assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
 
 
+@pytest.mark.parametrize("i", range(len(F_.H_SPACE)))
+def test_stage_h_in_every_config_of_its_autotune_space(stages, i, monkeypatch):
+    """The interpreter runs only the first config of a space; each other config's tile (BV) is
+    run here by making it the only one, against the reference stage (V=128: 2 to 8 V blocks)."""
+    import triton
+
+    meta, warps, n_stages = F_.H_SPACE[i]
+    monkeypatch.setattr(F_.pkda_fwd_h_kernel, "configs", [triton.Config(dict(meta), num_warps=warps,
+                                                                        num_stages=n_stages)])
+    ri, ra, d = stages["ref_intra"], stages["ref_atk"], stages["d"]
+    h, Delta, S_fin = F_.fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], stages["lay"], d["initial_state"],
+                               output_final_state=True)
+    r = stages["ref_h"]
+    assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
+
+
+@pytest.mark.parametrize("K,V,cu", [(256, 64, None), (128, 64, [0, 37, 100])])
+def test_stage_h_over_two_and_four_K_blocks_in_every_config(K, V, cu, monkeypatch):
+    """fwd.h holds S as 64-row K blocks: four at K=256, two at 128 (varlen, one sequence shorter
+    than a chunk), each config of the space made the only one in turn, against the reference."""
+    import triton
+
+    d = make(1, 100, 1, K, V, seed=3, states=True, N=1 if cu is None else len(cu) - 1)
+    cu_t = None if cu is None else torch.tensor(cu)
+    lay = R.make_layout(1, 100, cu_t, "cpu")
+    kn, _ = F_.l2norm_fwd(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay, d["initial_A_state"])
+    ri = R.ref_fwd_intra(F_.l2norm_fwd(d["q"])[0], kn, d["v"], ra["p"], ra["G"], d["beta"], K ** -0.5, lay)
+    r = R.ref_fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], lay, d["initial_state"])
+    for meta, warps, n_stages in F_.H_SPACE:
+        if V % meta["BV"]:
+            continue
+        monkeypatch.setattr(F_.pkda_fwd_h_kernel, "configs", [triton.Config(dict(meta), num_warps=warps,
+                                                                            num_stages=n_stages)])
+        h, Delta, S_fin = F_.fwd_h(ri["W"], ri["U"], ra["p"], ra["G"], lay, d["initial_state"],
+                                   output_final_state=True)
+        assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5, meta
+
+
 def test_stage_o(stages):
     assert rel(stages["o"], stages["ref_o"]) < 1e-5
 

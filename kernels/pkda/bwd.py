@@ -93,6 +93,12 @@ def _configs(cands):
     return cands[:1] if INTERPRET else cands
 
 
+def _meta_configs(space):
+    """As _configs, for spaces whose configs also set meta-parameters: (meta dict, warps, stages)."""
+    cands = [triton.Config(dict(meta), num_warps=w, num_stages=s) for meta, w, s in space]
+    return cands[:1] if INTERPRET else cands
+
+
 def warps_from_env(name: str, default: tuple[int, ...], env=None) -> tuple[int, ...]:
     """The warp counts of one kernel's autotune space: env var `name` ("8,4") or `default`.
     Read once, when this module is imported, so an experiment can try another space as an
@@ -181,12 +187,81 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
 # =============================================================================================
 # bwd.dhu: reverse over the chunks of one sequence; dE (end-of-chunk state grads), dDelta, dS0
 # =============================================================================================
-@triton.autotune(configs=_configs([(4, 1), (8, 1)]), key=["H", "K", "V", "DT"])
+# One program per (sequence, head, V tile) walks every chunk in turn. The state gradient dE
+# [K, BV] is held as up to four 64-row blocks (K <= 256) and every [64, K] operand (G, p, q, W) is
+# read 64 columns at a time, so no [64, K] FP32 tile is live at once: the full-K version took
+# 255 registers and spilled at K=128 with 4 warps (offline sm_90 compile), and fla's dhu, which
+# splits K this way, took 0.112 ms at B4_T2048_H16_D128 on an H100 against ours' 0.260 (2026-12-07).
+# The V tile is tuned with the warps (BV 32 and 16: 2x and 4x the programs of BV 64).
+DHU_SPACE = [({"BV": 64}, 4, 1), ({"BV": 64}, 8, 1), ({"BV": 32}, 4, 1), ({"BV": 32}, 8, 1), ({"BV": 16}, 4, 1)]
+DHU_BK = 64   # the K block
+
+
+@triton.jit
+def _dhu_blk_ptr(rows, i_h, H: tl.constexpr, K: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    o_k = j * BKB + tl.arange(0, BKB)
+    return (rows[:, None] * H + i_h) * K + o_k[None, :], o_k < K
+
+
+@triton.jit
+def _dhu_dD_part(p, G, b_dE, rows, m_t, last, i_h, H: tl.constexpr, K: tl.constexpr, j: tl.constexpr,
+                 BKB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """(p * exp(G_last - G))[:, block j] @ dE[block j]: block j's share of dDelta, [BT, BV]."""
+    p_tk, m_k = _dhu_blk_ptr(rows, i_h, H, K, j, BKB)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_Gl = tl.load(G + (last * H + i_h) * K + j * BKB + tl.arange(0, BKB), mask=m_k, other=0.).to(tl.float32)
+    b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
+    return tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC)
+
+
+@triton.jit
+def _dhu_step(q, G, W, b_dE, b_do, b_dD, rows, m_t, last, i_h, scale, H: tl.constexpr, K: tl.constexpr,
+              j: tl.constexpr, BKB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """Block j of dE carried one chunk back: dE * exp(G_last) + (q exp(G) scale)^T dO - W^T dDelta."""
+    p_tk, m_k = _dhu_blk_ptr(rows, i_h, H, K, j, BKB)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_Gl = tl.load(G + (last * H + i_h) * K + j * BKB + tl.arange(0, BKB), mask=m_k, other=0.).to(tl.float32)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
+    b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
+    return (b_dE * tl.exp(b_Gl)[:, None]
+            + tl.dot(tl.trans(b_qg).to(DT), b_do.to(DT), input_precision=PREC)
+            - tl.dot(tl.trans(b_w).to(DT), b_dD.to(DT), input_precision=PREC))
+
+
+@triton.jit
+def _dhu_state_ptr(i_h, o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    """Offsets and mask of K block j of a [K, V] state (columns o_v)."""
+    o_k = j * BKB + tl.arange(0, BKB)
+    return o_k[:, None] * V + o_v[None, :], (o_k < K)[:, None] & m_v[None, :]
+
+
+@triton.jit
+def _dhu_load_state(dht, base, i_h, o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr,
+                    BKB: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr):
+    if USE_DHT:
+        p_kv, m_kv = _dhu_state_ptr(i_h, o_v, m_v, K, V, j, BKB)
+        return tl.load(dht + base + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    else:
+        return tl.zeros([BKB, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _dhu_store_state(out, base, b, i_h, o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr,
+                     BKB: tl.constexpr):
+    p_kv, m_kv = _dhu_state_ptr(i_h, o_v, m_v, K, V, j, BKB)
+    tl.store(out + base + p_kv, b, mask=m_kv)
+
+
+@triton.autotune(configs=_meta_configs(DHU_SPACE), key=["H", "K", "V", "DT"])
 @triton.jit
 def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off, scale,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                        USE_DHT: tl.constexpr):
+                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr,
+                        BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, USE_DHT: tl.constexpr):
+    NKB: tl.constexpr = (K + BKB - 1) // BKB   # 1 to 4 blocks of dE
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -194,41 +269,57 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
     coff = tl.load(chunk_off + i_n).to(tl.int64)
     NT = tl.cdiv(eos - bos, BT)
     o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_kv = o_k[:, None] * V + o_v[None, :]
-    if USE_DHT:
-        b_dE = tl.load(dht + i_nh.to(tl.int64) * K * V + p_kv, mask=m_kv, other=0.).to(tl.float32)
-    else:
-        b_dE = tl.zeros([BK, BV], dtype=tl.float32)
+    m_v = o_v < V
+    s0 = i_nh.to(tl.int64) * K * V
+    b_dE0 = _dhu_load_state(dht, s0, i_h, o_v, m_v, K, V, 0, BKB, BV, USE_DHT)
+    if NKB > 1:
+        b_dE1 = _dhu_load_state(dht, s0, i_h, o_v, m_v, K, V, 1, BKB, BV, USE_DHT)
+    if NKB > 2:
+        b_dE2 = _dhu_load_state(dht, s0, i_h, o_v, m_v, K, V, 2, BKB, BV, USE_DHT)
+    if NKB > 3:
+        b_dE3 = _dhu_load_state(dht, s0, i_h, o_v, m_v, K, V, 3, BKB, BV, USE_DHT)
     for i in range(NT):
         i_t = NT - 1 - i
         cbos = bos + i_t * BT
         L = tl.minimum(eos - cbos, BT)
-        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv, b_dE, mask=m_kv)
+        last = cbos + L - 1
+        sc = ((coff + i_t) * H + i_h) * K * V
+        _dhu_store_state(dE_all, sc, b_dE0, i_h, o_v, m_v, K, V, 0, BKB)
+        if NKB > 1:
+            _dhu_store_state(dE_all, sc, b_dE1, i_h, o_v, m_v, K, V, 1, BKB)
+        if NKB > 2:
+            _dhu_store_state(dE_all, sc, b_dE2, i_h, o_v, m_v, K, V, 2, BKB)
+        if NKB > 3:
+            _dhu_store_state(dE_all, sc, b_dE3, i_h, o_v, m_v, K, V, 3, BKB)
         rows = cbos + o_t
         m_t = o_t < L
-        m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_Gl = tl.load(G + ((cbos + L - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
-        b_dD = (tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
-                + tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC))
+        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
+        b_dD += _dhu_dD_part(p, G, b_dE0, rows, m_t, last, i_h, H, K, 0, BKB, DT, PREC)
+        if NKB > 1:
+            b_dD += _dhu_dD_part(p, G, b_dE1, rows, m_t, last, i_h, H, K, 1, BKB, DT, PREC)
+        if NKB > 2:
+            b_dD += _dhu_dD_part(p, G, b_dE2, rows, m_t, last, i_h, H, K, 2, BKB, DT, PREC)
+        if NKB > 3:
+            b_dD += _dhu_dD_part(p, G, b_dE3, rows, m_t, last, i_h, H, K, 3, BKB, DT, PREC)
         tl.store(dDelta + p_tv, b_dD, mask=m_tv)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
-        b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
-        b_dE = (b_dE * tl.exp(b_Gl)[:, None]
-                + tl.dot(tl.trans(b_qg).to(DT), b_do.to(DT), input_precision=PREC)
-                - tl.dot(tl.trans(b_w).to(DT), b_dD.to(DT), input_precision=PREC))
-    tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
+        b_dE0 = _dhu_step(q, G, W, b_dE0, b_do, b_dD, rows, m_t, last, i_h, scale, H, K, 0, BKB, DT, PREC)
+        if NKB > 1:
+            b_dE1 = _dhu_step(q, G, W, b_dE1, b_do, b_dD, rows, m_t, last, i_h, scale, H, K, 1, BKB, DT, PREC)
+        if NKB > 2:
+            b_dE2 = _dhu_step(q, G, W, b_dE2, b_do, b_dD, rows, m_t, last, i_h, scale, H, K, 2, BKB, DT, PREC)
+        if NKB > 3:
+            b_dE3 = _dhu_step(q, G, W, b_dE3, b_do, b_dD, rows, m_t, last, i_h, scale, H, K, 3, BKB, DT, PREC)
+    _dhu_store_state(dS0, s0, b_dE0, i_h, o_v, m_v, K, V, 0, BKB)
+    if NKB > 1:
+        _dhu_store_state(dS0, s0, b_dE1, i_h, o_v, m_v, K, V, 1, BKB)
+    if NKB > 2:
+        _dhu_store_state(dS0, s0, b_dE2, i_h, o_v, m_v, K, V, 2, BKB)
+    if NKB > 3:
+        _dhu_store_state(dS0, s0, b_dE3, i_h, o_v, m_v, K, V, 3, BKB)
 
 
 # =============================================================================================
@@ -708,12 +799,12 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
     dE_all = q.new_empty((lay.NT, H, K, V), dtype=torch.float32)
     dDelta = _new(do.shape, do, lay.covered)
     dS0 = q.new_empty((lay.N, H, K, V), dtype=torch.float32)
-    BK = triton.next_power_of_2(K)
-    BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
+    if K > 4 * DHU_BK:
+        raise ValueError(f"bwd.dhu holds dE as at most 4 blocks of {DHU_BK} rows: K={K} > {4 * DHU_BK}")
     if lay.N:
-        pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
+        pkda_bwd_dhu_kernel[lambda meta: (lay.N * H, triton.cdiv(V, meta["BV"]))](
             q, p, G, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta, dS0,
-            lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
+            lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BKB=min(DHU_BK, triton.next_power_of_2(K)),
             DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None)
     return dE_all, dDelta, dS0
 

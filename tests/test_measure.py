@@ -189,6 +189,7 @@ def test_prepare_order_has_a_leader_per_side_and_random_orders():
 # --- the driver with real worker processes ---------------------------------------------------------
 
 @pytest.mark.slow
+@pytest.mark.timing  # a NO-GO from a slower candidate on CPU: run alone by ci/test.sh
 def test_known_costs_and_the_aa_control(tmp_path):
     """Baseline 20 ms, candidate 40 ms a call (a sleep): the speedup interval holds ~0.5 and excludes
     1.0; the A/A control (the baseline twin) holds 1.0; the side order rotates from round to round."""

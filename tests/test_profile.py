@@ -169,6 +169,7 @@ def test_cli_writes_the_record_prints_the_table_and_passes(measured):
     assert [r["row"] for r in record["rows"]] == ["small/fwdbwd"]
 
 
+@pytest.mark.timing  # shares of CPU time: run alone by ci/test.sh
 def test_stage_shares_follow_the_work(measured):
     _, _, record, _ = measured
     row = _row(record)

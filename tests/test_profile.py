@@ -23,6 +23,10 @@ from harness.profile_worker import OverlapError, attribute, run_profile
 from harness.spec import AmdahlGate, load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
+# timing: the module's CPU profile (stage and endpoint times, shares, bounds) must be consistent;
+# ci/test.sh runs it alone, after the parallel rest (another worker's load put a stage's wall time
+# above its endpoint's, 2026-12-07)
+pytestmark = pytest.mark.timing
 N = 384  # rows and width of every matmul
 
 STAGE_OP = '''\
@@ -169,7 +173,6 @@ def test_cli_writes_the_record_prints_the_table_and_passes(measured):
     assert [r["row"] for r in record["rows"]] == ["small/fwdbwd"]
 
 
-@pytest.mark.timing  # shares of CPU time: run alone by ci/test.sh
 def test_stage_shares_follow_the_work(measured):
     _, _, record, _ = measured
     row = _row(record)
@@ -182,10 +185,7 @@ def test_stage_shares_follow_the_work(measured):
     # the device denominator is the sum of every kernel: stages + unassigned account for it
     total = a["ms"] + b["ms"] + row["unassigned_ms"]
     assert total == pytest.approx(row["device_total_ms"], rel=0.15)
-    # each kernel's ms is its own median over the calls, device_total_ms the median of the calls' sums:
-    # the two part when one call is slow in some kernels (a parallel test worker's load: 30% seen in
-    # CI); a kernel missing or counted twice is still off by more
-    assert sum(k["ms"] for k in row["kernels"]) == pytest.approx(row["device_total_ms"], rel=0.4)
+    assert sum(k["ms"] for k in row["kernels"]) == pytest.approx(row["device_total_ms"], rel=0.15)
     assert set(row["stage_share_device"]) == {"stage_a", "stage_b", "unassigned"}
     assert set(row["stage_share_wall"]) == {"stage_a", "stage_b", "unassigned", "host/gaps"}
 

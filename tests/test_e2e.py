@@ -15,9 +15,7 @@ import pytest
 from harness.records import completed_blocks, load_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-# timing: its verdicts rest on CPU timings resolving a speed difference; ci/test.sh runs these
-# tests alone, after the parallel rest (another worker's load widens CPU intervals past 1.0)
-pytestmark = pytest.mark.timing
+pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
 SPEEDUP_GATE = """\
 - {kind: speedup, name: endpoint, row: small, mode: fwd, threshold: 1.25}
 """

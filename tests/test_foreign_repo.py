@@ -18,9 +18,7 @@ from foreign_repo import TESTS, TESTS_EDITED, ForeignRepo
 from harness.results import RESULTS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
-# timing: its verdicts rest on CPU timings resolving a speed difference; ci/test.sh runs these
-# tests alone, after the parallel rest (another worker's load widens CPU intervals past 1.0)
-pytestmark = pytest.mark.timing
+pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
 
 
 def harness(*args, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -9,9 +9,7 @@ import pytest
 from conftest import OP_TEMPLATE
 from test_e2e import run_exp
 
-# timing: its verdicts rest on CPU timings resolving a speed difference; ci/test.sh runs these
-# tests alone, after the parallel rest (another worker's load widens CPU intervals past 1.0)
-pytestmark = pytest.mark.timing
+pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
 
 
 def fake_install(site, version: str, work: int) -> None:

@@ -21,9 +21,7 @@ from harness.executors import slurm as S
 from harness.records import load_measurement, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
-# timing: its verdicts rest on CPU timings resolving a speed difference; ci/test.sh runs these
-# tests alone, after the parallel rest (another worker's load widens CPU intervals past 1.0)
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timing]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timing]  # timing: verdicts from CPU timings
 NO_GO_GATE = "- {kind: speedup, name: endpoint, row: small, mode: fwd, threshold: 1.25}\n"
 CPU_SLURM = "slurm: {gpus: 0, time: '15:00'}\n"
 

@@ -36,7 +36,7 @@ ROWS = {
 # kernel name -> stage (fwd kernels inside fwdbwd also include the backward's recompute)
 STAGE_OF = [
     (r"pkda_fwd_l2norm", "fwd.l2norm"), (r"pkda_fwd_atk", "fwd.atk"),
-    (r"pkda_fwd_intra", "fwd.intra"), (r"pkda_fwd_wu", "bwd.recompute(wu)"), (r"pkda_fwd_h", "fwd.h"),
+    (r"pkda_fwd_intra|pkda_fwd_solve", "fwd.intra"), (r"pkda_fwd_wu", "fwd.wu"), (r"pkda_fwd_h", "fwd.h"),
     (r"pkda_fwd_o", "fwd.o"),
     (r"pkda_bwd_l2norm", "bwd.l2norm"), (r"pkda_bwd_dAv", "bwd.dAv"), (r"pkda_bwd_dhu", "bwd.dhu"),
     (r"pkda_bwd_wy_dqkg", "bwd.wy_dqkg"), (r"pkda_bwd_intra|pkda_bwd_beta_reduce", "bwd.intra"),

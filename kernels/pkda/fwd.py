@@ -444,83 +444,20 @@ def _inv_unit_lower4(A0, A1, A2, A3, BC: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(k, G, beta, T0, Lc, H, i_h, sj: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
-            DT: tl.constexpr):
-    """beta_j * k_j * exp(G_j) for sub-chunk sj (the right factor of W)."""
-    b_k = _tile(k, T0, sj * BC, Lc, H, i_h, K, BC)
-    b_G = _tile(G, T0, sj * BC, Lc, H, i_h, K, BC)
-    b_b = _col(beta, T0, sj * BC, Lc, H, i_h, BC)
-    return (b_b[:, None] * b_k * tl.exp(b_G)).to(DT)
+def _load_blk(ptr, T0, Lc, H, i_h, si: tl.constexpr, sj: tl.constexpr, BT: tl.constexpr,
+              BC: tl.constexpr):
+    """The [BC,BC] fp32 block at rows si*BC.., columns sj*BC.. of a [Ttot,H,BT] tensor (rows past
+    the chunk's end read as zeros)."""
+    o = tl.arange(0, BC)
+    rows = si * BC + o
+    ptrs = ptr + ((T0 + rows) * H + i_h)[:, None] * BT + (sj * BC + o)[None, :]
+    return tl.load(ptrs, mask=(rows < Lc)[:, None], other=0.)
 
 
 @triton.jit
-def _y_tile(v, beta, T0, Lc, H, i_h, sj: tl.constexpr, V: tl.constexpr, BC: tl.constexpr,
-            DT: tl.constexpr):
-    """beta_j * v_j for sub-chunk sj (the right factor of U)."""
-    b_v = _tile(v, T0, sj * BC, Lc, H, i_h, V, BC)
-    b_b = _col(beta, T0, sj * BC, Lc, H, i_h, BC)
-    return (b_b[:, None] * b_v).to(DT)
-
-
-@triton.jit
-def _store_rows(ptr, val, T0, Lc, H, i_h, si: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
-    o = si * BC + tl.arange(0, BC)
-    ptrs = ptr + ((T0 + o) * H + i_h)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(ptrs, val.to(ptr.dtype.element_ty), mask=(o < Lc)[:, None])
-
-
-@triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1), ({}, 4, 2)]), key=["H", "K", "V"])
-@triton.jit
-def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_indices, scale, H,
-                          K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                          BKD: tl.constexpr, STORE_AKK: tl.constexpr, PREC: tl.constexpr,
-                          PREC32: tl.constexpr):
-    # one program per (chunk, head): Akk, Aqk on 4x4 sub-chunk blocks, Tinv = (I+Akk)^-1 by
-    # block forward substitution, W = Tinv diag(beta)(K*Gamma), U = Tinv diag(beta) V.
-    DT: tl.constexpr = k.dtype.element_ty
-    pid = tl.program_id(0)
-    i_c = pid // H
-    i_h = pid % H
-    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
-
-    A00, Q00 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
-    A11, Q11 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD, PREC32)
-    A22, Q22 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD, PREC32)
-    A33, Q33 = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD, PREC32)
-    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 1, K, BC, DT)
-    A10, Q10 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
-    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 2, K, BC, DT)
-    A20, Q20 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
-    A21, Q21 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
-    kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 3, K, BC, DT)
-    A30, Q30 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
-    A31, Q31 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
-    A32, Q32 = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 2, K, BC, DT, PREC)
-
-    # blocks above the diagonal are never written: the launcher allocates zeros
-    _store_blk(Aqk, Q00, T0, Lc, H, i_h, 0, 0, BT, BC)
-    _store_blk(Aqk, Q10, T0, Lc, H, i_h, 1, 0, BT, BC)
-    _store_blk(Aqk, Q11, T0, Lc, H, i_h, 1, 1, BT, BC)
-    _store_blk(Aqk, Q20, T0, Lc, H, i_h, 2, 0, BT, BC)
-    _store_blk(Aqk, Q21, T0, Lc, H, i_h, 2, 1, BT, BC)
-    _store_blk(Aqk, Q22, T0, Lc, H, i_h, 2, 2, BT, BC)
-    _store_blk(Aqk, Q30, T0, Lc, H, i_h, 3, 0, BT, BC)
-    _store_blk(Aqk, Q31, T0, Lc, H, i_h, 3, 1, BT, BC)
-    _store_blk(Aqk, Q32, T0, Lc, H, i_h, 3, 2, BT, BC)
-    _store_blk(Aqk, Q33, T0, Lc, H, i_h, 3, 3, BT, BC)
-    if STORE_AKK:
-        _store_blk(Akk, A00, T0, Lc, H, i_h, 0, 0, BT, BC)
-        _store_blk(Akk, A10, T0, Lc, H, i_h, 1, 0, BT, BC)
-        _store_blk(Akk, A11, T0, Lc, H, i_h, 1, 1, BT, BC)
-        _store_blk(Akk, A20, T0, Lc, H, i_h, 2, 0, BT, BC)
-        _store_blk(Akk, A21, T0, Lc, H, i_h, 2, 1, BT, BC)
-        _store_blk(Akk, A22, T0, Lc, H, i_h, 2, 2, BT, BC)
-        _store_blk(Akk, A30, T0, Lc, H, i_h, 3, 0, BT, BC)
-        _store_blk(Akk, A31, T0, Lc, H, i_h, 3, 1, BT, BC)
-        _store_blk(Akk, A32, T0, Lc, H, i_h, 3, 2, BT, BC)
-        _store_blk(Akk, A33, T0, Lc, H, i_h, 3, 3, BT, BC)
-
-    # Tinv by blocks: T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j<=m<i} A_im T_mj
+def _block_inverse(A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, BC: tl.constexpr):
+    """(I + A)^-1 of a strictly lower 64x64 A given as its 4x4 lower [BC,BC] blocks:
+    T_ii = (I + A_ii)^-1, T_ij = -T_ii sum_{j<=m<i} A_im T_mj (fp32, exact products)."""
     D0, D1, D2, D3 = _inv_unit_lower4(A00, A11, A22, A33, BC)
     T10 = -tl.dot(tl.dot(D1, A10, input_precision="ieee"), D0, input_precision="ieee")
     T21 = -tl.dot(tl.dot(D2, A21, input_precision="ieee"), D1, input_precision="ieee")
@@ -531,6 +468,82 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
                   + tl.dot(A32, T21, input_precision="ieee"), input_precision="ieee")
     T30 = -tl.dot(D3, tl.dot(A30, D0, input_precision="ieee") + tl.dot(A31, T10, input_precision="ieee")
                   + tl.dot(A32, T20, input_precision="ieee"), input_precision="ieee")
+    return D0, T10, D1, T20, T21, D2, T30, T31, T32, D3
+
+
+# fwd.intra in three kernels, as a candidate for issue #3: the single program per (chunk, head)
+# that built Akk, Aqk, the solve, W and U serially was 59% of the forward's device time on the
+# H200. Here (1) one program per (chunk, head, sub-chunk row) builds that row's blocks of Akk and
+# Aqk (4x the programs, a quarter of the chain each), (2) one per (chunk, head) inverts, (3) W and
+# U come from fwd_wu, one program per (chunk, head, 64-wide column tile).
+@triton.autotune(configs=_configs([({}, 4, 1), ({}, 2, 1)]), key=["H", "K"])
+@triton.jit
+def pkda_fwd_intra_a_kernel(q, k, p, G, beta, Aqk, Akk, cu, chunk_indices, scale, H,
+                            K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+                            PREC: tl.constexpr, PREC32: tl.constexpr):
+    # one program per (chunk, head, sub-chunk row i): blocks (i, j) for j <= i of Akk and Aqk
+    DT: tl.constexpr = k.dtype.element_ty
+    pid = tl.program_id(0)
+    i_s = pid % 4
+    i_ch = pid // 4
+    i_h = i_ch % H
+    i_c = i_ch // H
+    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
+    # a sub-chunk past a partial chunk's end has no rows: its blocks stay as allocated (zeros)
+    if i_s == 0:
+        A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
+        _store_blk(Akk, A, T0, Lc, H, i_h, 0, 0, BT, BC)
+        _store_blk(Aqk, Q, T0, Lc, H, i_h, 0, 0, BT, BC)
+    elif i_s * BC < Lc:
+        if i_s == 1:
+            A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 1, K, BC, BKD, PREC32)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 1, 1, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 1, 1, BT, BC)
+            kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 1, K, BC, DT)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 1, 0, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 1, 0, BT, BC)
+        elif i_s == 2:
+            A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 2, K, BC, BKD, PREC32)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 2, 2, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 2, 2, BT, BC)
+            kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 2, K, BC, DT)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 2, 0, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 2, 0, BT, BC)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 2, 1, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 2, 1, BT, BC)
+        else:
+            A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 3, K, BC, BKD, PREC32)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 3, 3, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 3, 3, BT, BC)
+            kg, qg, gr, bb = _intra_rows(q, k, G, beta, T0, Lc, H, i_h, 3, K, BC, DT)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 0, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 3, 0, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 3, 0, BT, BC)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 1, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 3, 1, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 3, 1, BT, BC)
+            A, Q = _intra_offdiag(kg, qg, gr, bb, p, G, T0, Lc, H, i_h, scale, 2, K, BC, DT, PREC)
+            _store_blk(Akk, A, T0, Lc, H, i_h, 3, 2, BT, BC)
+            _store_blk(Aqk, Q, T0, Lc, H, i_h, 3, 2, BT, BC)
+
+
+@triton.autotune(configs=_configs([({}, 4, 1), ({}, 2, 1)]), key=["H"])
+@triton.jit
+def pkda_fwd_solve_kernel(Akk, Tinv, cu, chunk_indices, H, BT: tl.constexpr, BC: tl.constexpr):
+    # one program per (chunk, head): Tinv = (I + Akk)^-1 from Akk's ten lower blocks
+    pid = tl.program_id(0)
+    i_c = pid // H
+    i_h = pid % H
+    _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
+    D0, T10, D1, T20, T21, D2, T30, T31, T32, D3 = _block_inverse(
+        _load_blk(Akk, T0, Lc, H, i_h, 0, 0, BT, BC), _load_blk(Akk, T0, Lc, H, i_h, 1, 0, BT, BC),
+        _load_blk(Akk, T0, Lc, H, i_h, 1, 1, BT, BC), _load_blk(Akk, T0, Lc, H, i_h, 2, 0, BT, BC),
+        _load_blk(Akk, T0, Lc, H, i_h, 2, 1, BT, BC), _load_blk(Akk, T0, Lc, H, i_h, 2, 2, BT, BC),
+        _load_blk(Akk, T0, Lc, H, i_h, 3, 0, BT, BC), _load_blk(Akk, T0, Lc, H, i_h, 3, 1, BT, BC),
+        _load_blk(Akk, T0, Lc, H, i_h, 3, 2, BT, BC), _load_blk(Akk, T0, Lc, H, i_h, 3, 3, BT, BC), BC)
     _store_blk(Tinv, D0, T0, Lc, H, i_h, 0, 0, BT, BC)
     _store_blk(Tinv, T10, T0, Lc, H, i_h, 1, 0, BT, BC)
     _store_blk(Tinv, D1, T0, Lc, H, i_h, 1, 1, BT, BC)
@@ -542,33 +555,9 @@ def pkda_fwd_intra_kernel(q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, cu, chunk_i
     _store_blk(Tinv, T32, T0, Lc, H, i_h, 3, 2, BT, BC)
     _store_blk(Tinv, D3, T0, Lc, H, i_h, 3, 3, BT, BC)
 
-    # W_i = sum_{j<=i} T_ij X_j, U_i = sum_{j<=i} T_ij Y_j
-    X0 = _x_tile(k, G, beta, T0, Lc, H, i_h, 0, K, BC, DT)
-    Y0 = _y_tile(v, beta, T0, Lc, H, i_h, 0, V, BC, DT)
-    _store_rows(W, tl.dot(D0.to(DT), X0, input_precision=PREC), T0, Lc, H, i_h, 0, K, BC)
-    _store_rows(U, tl.dot(D0.to(DT), Y0, input_precision=PREC), T0, Lc, H, i_h, 0, V, BC)
-    X1 = _x_tile(k, G, beta, T0, Lc, H, i_h, 1, K, BC, DT)
-    Y1 = _y_tile(v, beta, T0, Lc, H, i_h, 1, V, BC, DT)
-    b_w = tl.dot(T10.to(DT), X0, input_precision=PREC) + tl.dot(D1.to(DT), X1, input_precision=PREC)
-    b_u = tl.dot(T10.to(DT), Y0, input_precision=PREC) + tl.dot(D1.to(DT), Y1, input_precision=PREC)
-    _store_rows(W, b_w, T0, Lc, H, i_h, 1, K, BC)
-    _store_rows(U, b_u, T0, Lc, H, i_h, 1, V, BC)
-    X2 = _x_tile(k, G, beta, T0, Lc, H, i_h, 2, K, BC, DT)
-    Y2 = _y_tile(v, beta, T0, Lc, H, i_h, 2, V, BC, DT)
-    b_w = (tl.dot(T20.to(DT), X0, input_precision=PREC) + tl.dot(T21.to(DT), X1, input_precision=PREC)
-           + tl.dot(D2.to(DT), X2, input_precision=PREC))
-    b_u = (tl.dot(T20.to(DT), Y0, input_precision=PREC) + tl.dot(T21.to(DT), Y1, input_precision=PREC)
-           + tl.dot(D2.to(DT), Y2, input_precision=PREC))
-    _store_rows(W, b_w, T0, Lc, H, i_h, 2, K, BC)
-    _store_rows(U, b_u, T0, Lc, H, i_h, 2, V, BC)
-    X3 = _x_tile(k, G, beta, T0, Lc, H, i_h, 3, K, BC, DT)
-    Y3 = _y_tile(v, beta, T0, Lc, H, i_h, 3, V, BC, DT)
-    b_w = (tl.dot(T30.to(DT), X0, input_precision=PREC) + tl.dot(T31.to(DT), X1, input_precision=PREC)
-           + tl.dot(T32.to(DT), X2, input_precision=PREC) + tl.dot(D3.to(DT), X3, input_precision=PREC))
-    b_u = (tl.dot(T30.to(DT), Y0, input_precision=PREC) + tl.dot(T31.to(DT), Y1, input_precision=PREC)
-           + tl.dot(T32.to(DT), Y2, input_precision=PREC) + tl.dot(D3.to(DT), Y3, input_precision=PREC))
-    _store_rows(W, b_w, T0, Lc, H, i_h, 3, K, BC)
-    _store_rows(U, b_u, T0, Lc, H, i_h, 3, V, BC)
+
+def grid_intra_a(NT, H):
+    return _check_grid((NT * H * (BT // BC), 1, 1))
 
 
 def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
@@ -576,21 +565,22 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
     B, T, H, K = k.shape
     V = v.shape[-1]
     _check_dims(K, V)
-    q, k, v, p, G, beta = (t.contiguous() for t in (q, k, v, p, G, beta))
-    if v.dtype != k.dtype:
-        v = v.to(k.dtype)
+    q, k, p, G, beta = (t.contiguous() for t in (q, k, p, G, beta))
     f32 = dict(dtype=torch.float32, device=k.device)
+    # Aqk and Tinv are read whole (fwd.o, fwd_wu): their upper blocks must be zeros; Akk is read
+    # only by the solve, below the diagonal and above the chunk's end
     Aqk = torch.zeros(B, T, H, BT, **f32)
     Tinv = torch.zeros(B, T, H, BT, **f32)
-    Akk = torch.zeros(B, T, H, BT, **f32) if store_akk else None
-    W = torch.empty_like(k)
-    U = torch.empty_like(v)
+    Akk = (torch.zeros if store_akk else torch.empty)(B, T, H, BT, **f32)
     if layout.NT:
-        pkda_fwd_intra_kernel[grid_intra(layout.NT, H)](
-            q, k, v, p, G, beta, Aqk, Tinv, Akk, W, U, layout.cu, layout.chunk_indices, scale, H,
-            K=K, V=V, BT=BT, BC=BC, BKD=16, STORE_AKK=store_akk, PREC=_dot_prec(k.dtype),
+        pkda_fwd_intra_a_kernel[grid_intra_a(layout.NT, H)](
+            q, k, p, G, beta, Aqk, Akk, layout.cu, layout.chunk_indices, scale, H,
+            K=K, BT=BT, BC=BC, BKD=16, PREC=_dot_prec(k.dtype),
             PREC32=_dot_prec(k.dtype) if DIAG_PREC is None else DIAG_PREC)
-    return Aqk, Tinv, W, U, Akk
+        pkda_fwd_solve_kernel[grid_intra(layout.NT, H)](Akk, Tinv, layout.cu, layout.chunk_indices, H,
+                                                        BT=BT, BC=BC)
+    W, U = fwd_wu(k, v, G, beta, Tinv, layout)
+    return Aqk, Tinv, W, U, (Akk if store_akk else None)
 
 
 # W and U again from a kept Tinv: what the backward's recompute needs of fwd.intra once the

@@ -392,12 +392,16 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
             b_ak_c = tl.sum(tl.where(sel_c, b_Ak_d, 0.), axis=1)
             b_aq_r = tl.sum(tl.where(sel_r, b_Aq_d, 0.), axis=0)
             b_ak_r = tl.sum(tl.where(sel_r, b_Ak_d, 0.), axis=0)
-        m_lo = (o_i >= s)[:, None] & m_ik & v_s                  # rows r >= s
-        e_lo = tl.where(m_lo, tl.exp(tl.where(m_lo, b_G - b_Gs[None, :], 0.)), 0.)
+        # rows r >= s take exp(G_r - G_s), rows r <= s exp(G_s - G_r): one exp of d or -d by
+        # side serves both (they meet at r = s, where both are 1), half the diagonal's exps
+        lo = (o_i >= s)[:, None]
+        m_d = m_ik & v_s
+        b_d = b_G - b_Gs[None, :]
+        b_x = tl.where(m_d, tl.exp(tl.where(m_d, tl.where(lo, b_d, -b_d), 0.)), 0.)
+        e_lo = tl.where(lo, b_x, 0.)
         b_dq += b_aq_c[:, None] * b_ps[None, :] * e_lo
         b_dkr += b_ak_c[:, None] * b_ps[None, :] * e_lo
-        m_up = (o_i <= s)[:, None] & m_ik & v_s                  # columns j <= s
-        e_up = tl.where(m_up, tl.exp(tl.where(m_up, b_Gs[None, :] - b_G, 0.)), 0.)
+        e_up = tl.where((o_i <= s)[:, None], b_x, 0.)
         b_dp += (b_aq_r[:, None] * b_qs[None, :] + b_ak_r[:, None] * (b_bs * b_ks)[None, :]) * e_up
     return b_dq, b_dkr, b_dp
 

@@ -63,7 +63,9 @@ The dAqk seam: ``bwd.dAv`` + ``bwd.intra`` (+ the beta reduction) are one replac
         (chunk x 16-token sub-chunk, head) recomputing the [16,64] row / [64,16] column
         fragments of dAqk_s (+ the [16,16] diagonal block) from dO and Delta, K tiles looped
         inside, dbeta written once per token. dAkk stays materialised; no atomics.
-Both schedules share _intra_tile (the same gate placement, masks and FP32 accumulation).
+Both schedules share the gate placement, masks and FP32 accumulation: the onchip kernel through
+_intra_tile (fragments in registers), the materialised one through _intra_blocks (sub-chunk by
+sub-chunk from memory); both end in _intra_diag.
 """
 from __future__ import annotations
 
@@ -368,7 +370,88 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
     b_dp = (tl.dot(tl.trans(b_Aq_col).to(DT), b_qa.to(DT), input_precision=PREC)
             + tl.dot(tl.trans(b_Ak_col).to(DT), b_ka.to(DT), input_precision=PREC))
     b_dp *= tl.where(m_ik, tl.exp(b_Gc[None, :] - b_G), 0.)
-    # ---- diagonal block, token s of the sub-chunk is column s (rows part) and row s (cols part)
+    return _intra_diag(q, k, p, G, beta, b_G, b_dq, b_dkr, b_dp, b_Aq_d, b_Ak_d, dAqk, dAkk,
+                       DIAG_FROM_MEM, bos, L, i_s, i_h, o_k, m_k, H, K)
+
+
+@triton.jit
+def _intra_blocks(q, k, p, G, beta, dAqk, dAkk, bos, L, i_s, i_h, o_k, m_k,
+                  H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                  PREC: tl.constexpr):
+    """_intra_tile of the materialised schedule with the same reference points, masks and
+    results, sub-chunk by sub-chunk: the rows part loops over the earlier sub-chunks, the
+    columns part over the later ones, each a [BC, BK] operand tile and a [BC, BC] block of
+    dAqk / dAkk read from memory. Only the sub-chunks the causal mask keeps are loaded and
+    exponentiated (3 of [BC, BK] in a full chunk, against 8 for two [BT, BK] tiles), and no
+    [BT, BK] FP32 tile is live (those spilled at K=V=128)."""
+    o_i = tl.arange(0, BC)
+    I0 = i_s * BC
+    ti = I0 + o_i
+    m_i = ti < L
+    m_ik = m_i[:, None] & m_k[None, :]
+    p_ik = ((bos + ti)[:, None] * H + i_h) * K + o_k[None, :]
+    b_G = tl.load(G + p_ik, mask=m_ik, other=0.).to(tl.float32)
+    # ---- rows I against the earlier sub-chunks (columns j < I0): reference point G_{I0}
+    b_Gr = tl.load(G + ((bos + I0) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_dq = tl.zeros([BC, BK], dtype=tl.float32)
+    b_dkr = tl.zeros([BC, BK], dtype=tl.float32)
+    for j_s in range(0, i_s):
+        tj = j_s * BC + o_i                                      # every tj < I0 < L
+        p_jk = ((bos + tj)[:, None] * H + i_h) * K + o_k[None, :]
+        m_jk = (tj < I0)[:, None] & m_k[None, :]
+        b_Gj = tl.load(G + p_jk, mask=m_jk, other=0.).to(tl.float32)
+        b_pj = tl.load(p + p_jk, mask=m_jk, other=0.).to(tl.float32)
+        b_pg = tl.where(m_jk, b_pj * tl.exp(tl.where(m_jk, b_Gr[None, :] - b_Gj, 0.)), 0.)
+        p_a = ((bos + ti)[:, None] * H + i_h) * BT + tj[None, :]  # dA[I, J]
+        m_a = m_i[:, None] & (tj < I0)[None, :]
+        b_aq = tl.load(dAqk + p_a, mask=m_a, other=0.)
+        b_ak = tl.load(dAkk + p_a, mask=m_a, other=0.)
+        b_dq += tl.dot(b_aq.to(DT), b_pg.to(DT), input_precision=PREC)
+        b_dkr += tl.dot(b_ak.to(DT), b_pg.to(DT), input_precision=PREC)
+    # masked rows load G = 0: mask inside exp too, or it overflows (harmless but noisy)
+    b_e = tl.where(m_ik, tl.exp(tl.where(m_ik, b_G - b_Gr[None, :], 0.)), 0.)
+    b_dq *= b_e
+    b_dkr *= b_e
+    # ---- tokens I against the later sub-chunks (rows r > i_last): reference point G_{i_last}
+    i_last = tl.minimum(I0 + BC, L) - 1
+    b_Gc = tl.load(G + ((bos + i_last) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    b_dp = tl.zeros([BC, BK], dtype=tl.float32)
+    for r_s in range(i_s + 1, tl.cdiv(L, BC)):
+        tr = r_s * BC + o_i                                      # every tr > i_last
+        m_r = tr < L
+        m_rk = m_r[:, None] & m_k[None, :]
+        p_rk = ((bos + tr)[:, None] * H + i_h) * K + o_k[None, :]
+        b_Gj = tl.load(G + p_rk, mask=m_rk, other=0.).to(tl.float32)
+        b_gr = tl.where(m_rk, tl.exp(tl.where(m_rk, b_Gj - b_Gc[None, :], 0.)), 0.)
+        b_qa = tl.load(q + p_rk, mask=m_rk, other=0.).to(tl.float32) * b_gr
+        b_ba = tl.load(beta + (bos + tr) * H + i_h, mask=m_r, other=0.).to(tl.float32)
+        b_ka = tl.load(k + p_rk, mask=m_rk, other=0.).to(tl.float32) * b_gr * b_ba[:, None]
+        p_a = ((bos + tr)[:, None] * H + i_h) * BT + ti[None, :]  # dA[R, I]
+        m_a = m_r[:, None] & m_i[None, :]
+        b_aq = tl.load(dAqk + p_a, mask=m_a, other=0.)
+        b_ak = tl.load(dAkk + p_a, mask=m_a, other=0.)
+        b_dp += (tl.dot(tl.trans(b_aq).to(DT), b_qa.to(DT), input_precision=PREC)
+                 + tl.dot(tl.trans(b_ak).to(DT), b_ka.to(DT), input_precision=PREC))
+    b_dp *= tl.where(m_ik, tl.exp(b_Gc[None, :] - b_G), 0.)
+    # the diagonal block's rows and columns come from memory (b_dq stands in for the unused
+    # on-chip block arguments)
+    return _intra_diag(q, k, p, G, beta, b_G, b_dq, b_dkr, b_dp, b_dq, b_dq, dAqk, dAkk,
+                       True, bos, L, i_s, i_h, o_k, m_k, H, K)
+
+
+@triton.jit
+def _intra_diag(q, k, p, G, beta, b_G, b_dq, b_dkr, b_dp, b_Aq_d, b_Ak_d, dAqk, dAkk,
+                DIAG_FROM_MEM: tl.constexpr, bos, L, i_s, i_h, o_k, m_k,
+                H: tl.constexpr, K: tl.constexpr):
+    """Adds the diagonal block [I, I] onto dq, dkr, dp, token by token with exact differences,
+    masked before exp; its rows / columns from b_Aq_d, b_Ak_d or, with DIAG_FROM_MEM, from
+    dAqk, dAkk."""
+    o_i = tl.arange(0, BC)
+    I0 = i_s * BC
+    ti = I0 + o_i
+    m_i = ti < L
+    m_ik = m_i[:, None] & m_k[None, :]
+    # ---- token s of the sub-chunk is column s (rows part) and row s (cols part)
     for s in range(0, BC):
         v_s = I0 + s < L
         p_sk = ((bos + I0 + s) * H + i_h) * K + o_k
@@ -392,12 +475,16 @@ def _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d
             b_ak_c = tl.sum(tl.where(sel_c, b_Ak_d, 0.), axis=1)
             b_aq_r = tl.sum(tl.where(sel_r, b_Aq_d, 0.), axis=0)
             b_ak_r = tl.sum(tl.where(sel_r, b_Ak_d, 0.), axis=0)
-        m_lo = (o_i >= s)[:, None] & m_ik & v_s                  # rows r >= s
-        e_lo = tl.where(m_lo, tl.exp(tl.where(m_lo, b_G - b_Gs[None, :], 0.)), 0.)
+        # rows r >= s take exp(G_r - G_s), rows r <= s exp(G_s - G_r): one exp of d or -d by
+        # side serves both (they meet at r = s, where both are 1), half the diagonal's exps
+        lo = (o_i >= s)[:, None]
+        m_d = m_ik & v_s
+        b_d = b_G - b_Gs[None, :]
+        b_x = tl.where(m_d, tl.exp(tl.where(m_d, tl.where(lo, b_d, -b_d), 0.)), 0.)
+        e_lo = tl.where(lo, b_x, 0.)
         b_dq += b_aq_c[:, None] * b_ps[None, :] * e_lo
         b_dkr += b_ak_c[:, None] * b_ps[None, :] * e_lo
-        m_up = (o_i <= s)[:, None] & m_ik & v_s                  # columns j <= s
-        e_up = tl.where(m_up, tl.exp(tl.where(m_up, b_Gs[None, :] - b_G, 0.)), 0.)
+        e_up = tl.where((o_i <= s)[:, None], b_x, 0.)
         b_dp += (b_aq_r[:, None] * b_qs[None, :] + b_ak_r[:, None] * (b_bs * b_ks)[None, :]) * e_up
     return b_dq, b_dkr, b_dp
 
@@ -475,11 +562,8 @@ def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_pa
     if i_s * BC < L:
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col, b_Aq_d, b_Ak_d = _load_frags(
-            dAqk, dAkk, bos, L, i_s, i_h, H, True, False)
-        b_dq, b_dkr, b_dp = _intra_tile(q, k, p, G, beta, b_Aq_row, b_Ak_row, b_Aq_col, b_Ak_col,
-                                        b_Aq_d, b_Ak_d, dAqk, dAkk, True, bos, L, i_s, i_h,
-                                        o_k, m_k, H, K, BK, DT, PREC)
+        b_dq, b_dkr, b_dp = _intra_blocks(q, k, p, G, beta, dAqk, dAkk, bos, L, i_s, i_h,
+                                          o_k, m_k, H, K, BK, DT, PREC)
         b_db = _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_s,
                                i_h, o_k, m_k, H, K)
         o_i = tl.arange(0, BC)

@@ -209,7 +209,8 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         i_t = NT - 1 - i
         cbos = bos + i_t * BT
         L = tl.minimum(eos - cbos, BT)
-        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv, b_dE, mask=m_kv)
+        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv,
+                 b_dE.to(dE_all.dtype.element_ty), mask=m_kv)
         rows = cbos + o_t
         m_t = o_t < L
         m_tk = m_t[:, None] & m_k[None, :]
@@ -222,7 +223,7 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
         b_dD = (tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
                 + tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC))
-        tl.store(dDelta + p_tv, b_dD, mask=m_tv)
+        tl.store(dDelta + p_tv, b_dD.to(dDelta.dtype.element_ty), mask=m_tv)
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
@@ -289,7 +290,7 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
             m_kv = m_k[:, None] & m_v[None, :]
             p_kv = h_base + o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
-            b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.)
+            b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
             b_dD = tl.load(dDelta + p_tv, mask=m_tv, other=0.)
             b_dX = tl.dot(tl.trans(b_Ti).to(DT), b_dD.to(DT), input_precision=PREC)
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
@@ -786,11 +787,15 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
 
 
 def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
-    """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V], dS0 [N,H,K,V]) in FP32."""
+    """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V]) in q's dtype and dS0 [N,H,K,V]
+    in FP32. The kernel carries dE in FP32 across chunks; what it stores is read by
+    bwd.wy_dqkg as tl.dot operands (cast to q's dtype there anyway) and, for dE, in dG's
+    last-row term sum_v h dE (h is stored in q's dtype too): half the bytes of FP32 at bf16,
+    both written once and read up to 1 + K/64 times."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    dE_all = q.new_empty((lay.NT, H, K, V), dtype=torch.float32)
-    dDelta = _new(do.shape, do, lay.covered)
+    dE_all = q.new_empty((lay.NT, H, K, V))
+    dDelta = _new(do.shape, do, lay.covered, dtype=q.dtype)
     dS0 = q.new_empty((lay.N, H, K, V), dtype=torch.float32)
     BK = triton.next_power_of_2(K)
     BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))

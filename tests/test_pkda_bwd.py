@@ -375,20 +375,28 @@ def test_intra_warps_knob_parses_and_rejects_bad_values():
     for bad in ("eight", "8,,4", "3", "8;4", "0"):
         with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_WARPS=.*comma-separated list of warp counts"):
             warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2), env={"PKDA_BWD_INTRA_WARPS": bad})
+    from kernels.pkda.bwd import stages_from_env
+
+    assert stages_from_env("PKDA_BWD_INTRA_STAGES", (1,), env={}) == (1,)
+    assert stages_from_env("PKDA_BWD_INTRA_STAGES", (1,), env={"PKDA_BWD_INTRA_STAGES": "1,2"}) == (1, 2)
+    for bad in ("two", "0", "5", "1;2"):
+        with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_STAGES=.*comma-separated list of stage counts"):
+            stages_from_env("PKDA_BWD_INTRA_STAGES", (1,), env={"PKDA_BWD_INTRA_STAGES": bad})
 
 
 def test_intra_warps_knob_reaches_the_kernels_autotune_space():
-    """An env-only candidate: the knob, read at import, sets the intra kernel's configs."""
+    """An env-only candidate: the knobs (warps, stages), read at import, set the intra kernel's
+    configs."""
     import subprocess
     import sys
 
     code = ("from kernels.pkda import bwd; "
-            "print([c.num_warps for c in bwd.pkda_bwd_intra_kernel.configs])")
+            "print([(c.num_warps, c.num_stages) for c in bwd.pkda_bwd_intra_kernel.configs])")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PKDA_BWD_INTRA_WARPS": "8,4"}
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PKDA_BWD_INTRA_WARPS": "8,4", "PKDA_BWD_INTRA_STAGES": "2,1"}
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[8]"  # the interpreter keeps the first config only
+    assert out.stdout.strip() == "[(8, 2)]"  # the interpreter keeps the first config only
     env["PKDA_BWD_INTRA_WARPS"] = "3"
     out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "PKDA_BWD_INTRA_WARPS='3'" in out.stderr

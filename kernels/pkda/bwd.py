@@ -95,22 +95,33 @@ def _configs(cands):
     return cands[:1] if INTERPRET else cands
 
 
-def warps_from_env(name: str, default: tuple[int, ...], env=None) -> tuple[int, ...]:
-    """The warp counts of one kernel's autotune space: env var `name` ("8,4") or `default`.
-    Read once, when this module is imported, so an experiment can try another space as an
-    env-only candidate (same commit, different environment) without a code change."""
+def _ints_from_env(name: str, default: tuple[int, ...], allowed: tuple[int, ...], what: str,
+                   example: str, env=None) -> tuple[int, ...]:
+    """A comma-separated list of ints from env var `name`, each one of `allowed`, or `default`."""
     env = os.environ if env is None else env
     text = env.get(name, "").strip()
     if not text:
         return default
     try:
-        warps = tuple(int(w) for w in text.split(","))
+        values = tuple(int(w) for w in text.split(","))
     except ValueError:
-        warps = ()
-    if not warps or any(w not in (1, 2, 4, 8, 16) for w in warps):
-        raise ValueError(f"{name}={text!r}: expected a comma-separated list of warp counts from "
-                         f"1, 2, 4, 8, 16 (e.g. '8,4')")
-    return warps
+        values = ()
+    if not values or any(w not in allowed for w in values):
+        raise ValueError(f"{name}={text!r}: expected a comma-separated list of {what} from "
+                         f"{', '.join(map(str, allowed))} (e.g. '{example}')")
+    return values
+
+
+def warps_from_env(name: str, default: tuple[int, ...], env=None) -> tuple[int, ...]:
+    """The warp counts of one kernel's autotune space: env var `name` ("8,4") or `default`.
+    Read once, when this module is imported, so an experiment can try another space as an
+    env-only candidate (same commit, different environment) without a code change."""
+    return _ints_from_env(name, default, (1, 2, 4, 8, 16), "warp counts", "8,4", env)
+
+
+def stages_from_env(name: str, default: tuple[int, ...], env=None) -> tuple[int, ...]:
+    """The software-pipelining stages of one kernel's autotune space ("1,2"), as warps_from_env."""
+    return _ints_from_env(name, default, (1, 2, 3, 4), "stage counts", "1,2", env)
 
 
 def tile_from_env(name: str, default: int, allowed=(16, 32, 64), env=None) -> int:
@@ -549,7 +560,8 @@ def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_
 # intra adds onto dq/dk/dp/dG in place: autotune benchmarking must restore them after each run
 # (at K=V=128 on the H200 this kernel runs at 255 registers a thread and spills ~206 MiB of local
 # loads per call at B4_T2048_H16_D128, ncu 2026-12-03: PKDA_BWD_INTRA_WARPS tries wider spaces)
-@triton.autotune(configs=_configs([(w, 1) for w in warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2))]),
+@triton.autotune(configs=_configs([(w, st) for w in warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2))
+                                   for st in stages_from_env("PKDA_BWD_INTRA_STAGES", (1,))]),
                  key=["H", "K", "DT"], restore_value=["dq", "dk", "dp", "dG"])
 @triton.jit
 def pkda_bwd_intra_kernel(q, k, p, G, beta, dAqk, dAkk, dq, dk, dp, dG, dbeta_part, chunks, TT,

@@ -38,6 +38,8 @@ def experiment(repo, site, declared: str, name: str):
         blocks: 3
         samples_per_block: 6
         warmup: 1
+        # a 4x effect: three pairs and a few rounds resolve it; no A/A control (not the point here)
+        measure: {{pairs: 3, max_pairs: 3, min_rounds: 6, max_rounds: 12, row_budget_s: 20, control: false}}
         shapes:
           - {{name: small, B: 4, T: 256, H: 1, K: 256, V: 256}}
         gates:

@@ -29,11 +29,12 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
                     W and U come from fwd_wu instead of a second fwd.intra). A `layout`
                     in it (the forward's ChunkLayout) is used instead of building one.
 
-Returns a dict of FP32 gradients, same shapes as the matching inputs:
+Returns a dict of gradients, same shapes as the matching inputs:
     q, k (w.r.t. the normalised q, k), v, g, g_atk, beta_atk, beta, log_atk_scale [H],
     initial_state [N,H,K,V] (None if initial_state is None),
-    initial_A_state [N,H,K] (None if initial_A_state is None).
-The caller casts to the input dtypes.
+    initial_A_state [N,H,K] (None if initial_A_state is None);
+v's and g's in v's and g's dtypes (their last kernel rounds them once, as a cast would, and the
+two largest casts of the call are gone), the rest in FP32. The caller casts to the input dtypes.
 
 Semantics: gradients of  sum(o*do) + sum(S_T*dht) + sum(a_T*dat)  for the recurrence
 of shared/design/pkda.md (a_t, r_t, m_t, p_t = k_t m_t, S_t, o_t = S_t^T (scale q_t)).
@@ -276,7 +277,7 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
         b_dA += tl.dot(b_dX.to(DT), tl.trans(b_dl).to(DT), input_precision=PREC)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dX * b_v, axis=1)
-        tl.store(dv + p_tv, b_dX * b_beta[:, None], mask=m_tv)
+        tl.store(dv + p_tv, (b_dX * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
     keep = m_A & (o_t[:, None] > o_t[None, :])
     tl.store(dAkk + (rows[:, None] * H + i_h) * BT + o_t[None, :], tl.where(keep, -b_dA, 0.),
              mask=m_t[:, None])
@@ -690,7 +691,7 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
     m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
     ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
     b = tl.load(dG + ptr, mask=m, other=0.)
-    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True), mask=m)
+    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True).to(dg.dtype.element_ty), mask=m)
 
 
 # =============================================================================================
@@ -816,12 +817,14 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
 
 def bwd_wy_dqkg(q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do, scale, lay):
     """bwd.wy_dqkg. Returns dict(dq, dk, dp, dG [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H],
-    dAkk [B,T,H,64]) in FP32 (inter-chunk / WY parts only)."""
+    dAkk [B,T,H,64]) (inter-chunk / WY parts only) in FP32 but dv, which is final here, in
+    v's dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     out = dict(dq=_new(q.shape, q, lay.covered), dk=_new(q.shape, q, lay.covered),
                dp=_new(q.shape, q, lay.covered), dG=_new(q.shape, q, lay.covered),
-               dv=_new(v.shape, v, lay.covered), dbeta=_new(beta.shape, beta, lay.covered),
+               dv=_new(v.shape, v, lay.covered, dtype=v.dtype),
+               dbeta=_new(beta.shape, beta, lay.covered),
                dAkk=_new((B, T, H, CHUNK), q, lay.covered))
     if lay.NT:
         pkda_bwd_wy_dqkg_kernel[(lay.NT, H)](
@@ -852,10 +855,10 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     return grads
 
 
-def bwd_dg(dG, lay):
-    """dg = in-chunk reverse cumsum of dG."""
+def bwd_dg(dG, lay, dtype=torch.float32):
+    """dg = in-chunk reverse cumsum of dG, in `dtype`."""
     B, T, H, K = dG.shape
-    dg = _new(dG.shape, dG, lay.covered)
+    dg = _new(dG.shape, dG, lay.covered, dtype=dtype)
     BK = _bk(K)
     if lay.NT:
         pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, dg, lay.chunk_bounds,
@@ -994,7 +997,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                             rc["Delta"], dDelta, do, scale, lay)
     with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
-        dg = bwd_dg(grads["dG"], lay)
+        dg = bwd_dg(grads["dG"], lay, g.dtype)
     with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)

@@ -558,8 +558,9 @@ def _intra_epilogue(q, k, p, beta, dq, dk, dp, dG, b_dq, b_dkr, b_dp, bos, L, i_
 
 
 # intra adds onto dq/dk/dp/dG in place: autotune benchmarking must restore them after each run
-# (at K=V=128 on the H200 this kernel runs at 255 registers a thread and spills ~206 MiB of local
-# loads per call at B4_T2048_H16_D128, ncu 2026-12-03: PKDA_BWD_INTRA_WARPS tries wider spaces)
+# (sub-chunk by sub-chunk since 7b56399: at B4_T2048_H16_D128 on an H100 the autotuner takes 4
+# warps, 128 registers a thread, no spill, ncu 2026-12-07; before it, 2 warps at 255 registers
+# and ~204 MB of local loads a call. PKDA_BWD_INTRA_WARPS / _STAGES try other spaces)
 @triton.autotune(configs=_configs([(w, st) for w in warps_from_env("PKDA_BWD_INTRA_WARPS", (4, 2))
                                    for st in stages_from_env("PKDA_BWD_INTRA_STAGES", (1,))]),
                  key=["H", "K", "DT"], restore_value=["dq", "dk", "dp", "dG"])

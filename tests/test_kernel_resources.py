@@ -82,8 +82,8 @@ def test_every_kernel_of_the_op_compiles_for_sm90(pkda_run):
     assert all(r["shape"] == SHAPE and r["dtype"] == "bfloat16" for r in records)
     kernels = {r["kernel"] for r in records}
     # forward and backward: the backward's recompute and its own kernels are found
-    assert {"pkda_fwd_l2norm_kernel", "pkda_fwd_intra_kernel", "pkda_fwd_o_kernel", "pkda_bwd_intra_kernel",
-            "pkda_bwd_wy_dqkg_kernel", "pkda_bwd_l2norm_kernel"} <= kernels
+    assert {"pkda_fwd_l2norm_kernel", "pkda_fwd_intra_a_kernel", "pkda_fwd_solve_kernel", "pkda_fwd_o_kernel",
+            "pkda_bwd_intra_kernel", "pkda_bwd_wy_dqkg_kernel", "pkda_bwd_l2norm_kernel"} <= kernels
     h = result["header"]
     assert h["triton"] == triton.__version__ and h["arch"] == 90 and h["ptxas"]
     assert h["unique_compiles"] <= len(records)
@@ -95,9 +95,10 @@ def test_autotune_spaces_are_whole_not_the_interpreters_first_config(pkda_run):
         return sorted(r["config"]["num_warps"] for r in result["records"] if r["kernel"] == name)
 
     assert warps("pkda_bwd_intra_kernel") == [2, 4]           # PKDA_BWD_INTRA_WARPS's default space
-    assert warps("pkda_fwd_intra_kernel") == [4, 4, 8]        # (4,1), (8,1), (4,2)
-    stages = sorted(r["config"]["num_stages"] for r in result["records"] if r["kernel"] == "pkda_fwd_intra_kernel")
-    assert stages == [1, 1, 2]
+    assert warps("pkda_fwd_intra_a_kernel") == [2, 4]         # (4,1), (2,1)
+    h = sorted((r["config"]["num_warps"], r["config"]["num_stages"], r["config"]["kwargs"]["BV"])
+               for r in result["records"] if r["kernel"] == "pkda_fwd_h_kernel")
+    assert h == [(4, 2, "32"), (4, 2, "64"), (8, 2, "64")]   # warps, stages and a kwarg per config
     atk = [r for r in result["records"] if r["kernel"] == "pkda_fwd_atk_local_kernel"]
     assert sorted(r["config"]["kwargs"]["BK"] for r in atk) == ["32", "64"]  # a config's kwargs are constexprs
     assert all(r["constexprs"]["BK"] == r["config"]["kwargs"]["BK"] for r in atk)

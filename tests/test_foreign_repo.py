@@ -18,7 +18,6 @@ from foreign_repo import TESTS, TESTS_EDITED, ForeignRepo
 from harness.results import RESULTS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
 
 
 def harness(*args, cwd: Path, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -36,6 +35,7 @@ def foreign(tmp_path) -> ForeignRepo:
     return ForeignRepo(tmp_path)
 
 
+@pytest.mark.timing  # a verdict from CPU timings (the marker in pyproject.toml)
 def test_whole_protocol_on_a_foreign_repository(foreign, tmp_path):
     foreign.slow_candidate(rounds=16)
     exp = foreign.experiment()
@@ -93,6 +93,7 @@ def test_whole_protocol_on_a_foreign_repository(foreign, tmp_path):
     assert res.returncode == 2 and "no report.json and index.html in" in res.stderr
 
 
+@pytest.mark.timing  # a verdict from CPU timings (the marker in pyproject.toml)
 def test_a_setup_error_at_run_time_is_no_attempt_and_not_terminal(foreign, tmp_path):
     foreign.slow_candidate()
     exp = foreign.experiment(op="tinyops.pairwise:pairwise_sqdis")  # a typo

@@ -9,7 +9,6 @@ import pytest
 from conftest import OP_TEMPLATE
 from test_e2e import run_exp
 
-pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
 
 
 def fake_install(site, version: str, work: int) -> None:
@@ -50,6 +49,7 @@ def experiment(repo, site, declared: str, name: str):
     return path
 
 
+@pytest.mark.timing  # a verdict from CPU timings (the marker in pyproject.toml)
 def test_installed_package_baseline_against_git_candidate(temp_repo, tmp_path):
     site = tmp_path / "site"
     fake_install(site, "1.2.3", work=8)

@@ -182,10 +182,14 @@ def test_stage_shares_follow_the_work(measured):
         ratio = a[f"share_{d}"] / b[f"share_{d}"]
         assert 1.7 < ratio < 5.5, (d, ratio, row["stages"])  # 3x the work; CPU timing under CI load is loose
     assert 0.45 < a["share_device"] < 0.8, row["stages"]
-    # the device denominator is the sum of every kernel: stages + unassigned account for it
-    total = a["ms"] + b["ms"] + row["unassigned_ms"]
-    assert total == pytest.approx(row["device_total_ms"], rel=0.15)
-    assert sum(k["ms"] for k in row["kernels"]) == pytest.approx(row["device_total_ms"], rel=0.15)
+    # the device denominator is the sum of every kernel: stages + unassigned account for it, call by
+    # call, so exactly in means (the medians, device_total_ms and a stage's ms, need not add up: one
+    # slow CPU call parted them by 17%); a kernel's ms is its mean over the calls
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    mean_total = mean(row["device_total_samples_ms"])
+    unassigned = sum(k["ms"] for k in row["unassigned"])
+    assert mean(a["samples_ms"]) + mean(b["samples_ms"]) + unassigned == pytest.approx(mean_total, rel=1e-6)
+    assert sum(k["ms"] for k in row["kernels"]) == pytest.approx(mean_total, rel=1e-6)
     assert set(row["stage_share_device"]) == {"stage_a", "stage_b", "unassigned"}
     assert set(row["stage_share_wall"]) == {"stage_a", "stage_b", "unassigned", "host/gaps"}
 

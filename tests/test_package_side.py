@@ -10,7 +10,6 @@ from conftest import OP_TEMPLATE
 from test_e2e import run_exp
 
 
-
 def fake_install(site, version: str, work: int) -> None:
     """A minimal installed distribution: the package and its dist-info metadata."""
     (site / "fakeop").mkdir(parents=True)

@@ -825,7 +825,38 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
         if missing:
             out.append(("ncu.stages", f"names {missing}, not in stages {sorted(exp.stages)}"))
     out += _bytes_expr_problems(exp)
+    out += _stage_overlap_problems(exp)
     return out
+
+
+def _stage_overlap_problems(exp: "Experiment") -> list[tuple[str, str]]:
+    """Stages that certainly share kernels: a pattern of one stage that matches a literal pattern
+    (a plain name) of another on the same side. The profile gives each kernel to one stage and
+    stops at an overlap (kernel_profile.OverlapError), after the device time of a run's verify;
+    here it stops at load. Regexes that could overlap only on names not written in the file are
+    left to the profile."""
+    out: list[tuple[str, str]] = []
+    names = list(exp.stages)
+    for side in ("baseline", "candidate"):
+        for i, first in enumerate(names):
+            for second in names[i + 1:]:
+                shared = _shared_literal(getattr(exp.stages[first], side), getattr(exp.stages[second], side))
+                if shared is not None:
+                    out.append((f"stages.{second}.{side}",
+                                f"stages {first!r} and {second!r} both match kernels named {shared!r}: a "
+                                "kernel counts in one stage only; list it in one of them (a stage may "
+                                "list several kernels, and the report's kernel table has each one)"))
+    return out
+
+
+def _shared_literal(a: list[str], b: list[str]) -> str | None:
+    """A literal pattern of one list (no regex syntax: it matches names containing it) that a
+    pattern of the other list matches, or None."""
+    for ours, theirs in ((a, b), (b, a)):
+        for name in ours:
+            if re.escape(name) == name and any(re.search(p, name) for p in theirs):
+                return name
+    return None
 
 
 def _bytes_expr_problems(exp: "Experiment") -> list[tuple[str, str]]:

@@ -116,6 +116,20 @@ def test_device_basis_is_for_whole_call_gates(tmp_path):
     assert older.exp.gates[0].basis == "eager"  # older files' `wall` is the eager basis
 
 
+def test_stages_that_share_a_kernel_are_refused_at_load(tmp_path):
+    # a kernel counts in one stage; the profile stopped at such an overlap only after a device
+    # run's verify (pkda-atk-tc, 2026-12-07): the file is refused at load now, naming both stages
+    both = GOOD + "stages:\n  state: {baseline: [fwd_h_kernel, dhu_kernel], candidate: [fwd_h_kernel, dhu_kernel]}\n" \
+        "  dhu: {baseline: [dhu_kernel], candidate: [dhu_kernel]}\n"
+    msg = errors(tmp_path, both)
+    assert "stages.dhu.baseline" in msg and "'state' and 'dhu' both match kernels named 'dhu_kernel'" in msg, msg
+    by_regex = GOOD + "stages:\n  a: {baseline: ['bwd_.*'], candidate: [x]}\n  b: {baseline: [bwd_dhu], candidate: [y]}\n"
+    assert "'a' and 'b' both match kernels named 'bwd_dhu'" in errors(tmp_path, by_regex)
+    apart = GOOD + "stages:\n  a: {baseline: [fwd_h_kernel], candidate: [fwd_h_kernel]}\n" \
+        "  b: {baseline: [dhu_kernel, 'dhu_.*_kernel'], candidate: [dhu_kernel]}\n"
+    assert sorted(load_experiment(write(tmp_path, apart)).exp.stages) == ["a", "b"]
+
+
 FREE_DIMS = """\
 name: pairwise
 target:

@@ -830,33 +830,25 @@ def cross_reference_problems(exp: "Experiment") -> list[tuple[str, str]]:
 
 
 def _stage_overlap_problems(exp: "Experiment") -> list[tuple[str, str]]:
-    """Stages that certainly share kernels: a pattern of one stage that matches a literal pattern
-    (a plain name) of another on the same side. The profile gives each kernel to one stage and
-    stops at an overlap (kernel_profile.OverlapError), after the device time of a run's verify;
-    here it stops at load. Regexes that could overlap only on names not written in the file are
-    left to the profile."""
+    """Stages that certainly share kernels: a plain-name pattern (no regex syntax) that the
+    profile's own rule (kernel_profile.matching_stages) puts in two stages of the same side. The
+    profile stops at such a kernel (OverlapError) only after a run's verify has spent device time;
+    here the file stops at load. Regexes that could overlap only on names not written in the file
+    are left to the profile."""
+    from harness.kernel_profile import matching_stages
+
     out: list[tuple[str, str]] = []
-    names = list(exp.stages)
     for side in ("baseline", "candidate"):
-        for i, first in enumerate(names):
-            for second in names[i + 1:]:
-                shared = _shared_literal(getattr(exp.stages[first], side), getattr(exp.stages[second], side))
-                if shared is not None:
-                    out.append((f"stages.{second}.{side}",
-                                f"stages {first!r} and {second!r} both match kernels named {shared!r}: a "
-                                "kernel counts in one stage only; list it in one of them (a stage may "
-                                "list several kernels, and the report's kernel table has each one)"))
+        patterns = {name: getattr(stage, side) for name, stage in exp.stages.items()}
+        plain = dict.fromkeys(p for pats in patterns.values() for p in pats if re.escape(p) == p)
+        for name in plain:
+            hits = matching_stages(name, patterns)
+            if len(hits) > 1:
+                out.append((f"stages.{hits[-1]}.{side}",
+                            f"stages {' and '.join(map(repr, hits))} both match kernels named {name!r}: a "
+                            "kernel counts in one stage only; list it in one of them (a stage may "
+                            "list several kernels, and the report's kernel table has each one)"))
     return out
-
-
-def _shared_literal(a: list[str], b: list[str]) -> str | None:
-    """A literal pattern of one list (no regex syntax: it matches names containing it) that a
-    pattern of the other list matches, or None."""
-    for ours, theirs in ((a, b), (b, a)):
-        for name in ours:
-            if re.escape(name) == name and any(re.search(p, name) for p in theirs):
-                return name
-    return None
 
 
 def _bytes_expr_problems(exp: "Experiment") -> list[tuple[str, str]]:

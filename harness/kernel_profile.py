@@ -16,13 +16,16 @@ from __future__ import annotations
 import re
 
 
+def stage_matches(name: str, patterns: list[str]) -> bool:
+    """Whether one stage's patterns match a kernel or range name: the one matching rule (re.search)
+    that the profile, the block worker, the load-time overlap check and the ncu stage sums share."""
+    return any(re.search(p, name) for p in patterns)
+
+
 def assign_stages(kernels: dict[str, float], patterns: dict[str, list[str]]) -> dict[str, float]:
     """Sum kernel times into stages by regex (a kernel counts in every stage it matches)."""
-    out = {}
-    for stage, pats in patterns.items():
-        rx = [re.compile(p) for p in pats]
-        out[stage] = sum(ms for name, ms in kernels.items() if any(r.search(name) for r in rx))
-    return out
+    return {stage: sum(ms for name, ms in kernels.items() if stage_matches(name, pats))
+            for stage, pats in patterns.items()}
 
 
 class OverlapError(Exception):
@@ -35,7 +38,7 @@ class OverlapError(Exception):
 
 def matching_stages(name: str, patterns: dict[str, list[str]]) -> list[str]:
     """Stages whose patterns match `name`, with the same matching rule as the block worker."""
-    return [s for s, hit in assign_stages({name: 1.0}, patterns).items() if hit]
+    return [stage for stage, pats in patterns.items() if stage_matches(name, pats)]
 
 
 def attribute(names: list[str], patterns: dict[str, list[str]]) -> str | None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from harness import children
+from harness.kernel_profile import stage_matches
 
 SCHEMA_VERSION = 1
 MEASURE_RANGE = "harness.measure"  # keep equal to harness.ncu_target.MEASURE_RANGE (no torch import here)
@@ -487,9 +488,8 @@ def top_stalls(rec: dict, n: int = TOP_STALLS) -> list[dict]:
 # --- per stage ----------------------------------------------------------------------------------
 
 def stage_kernels(kernel_names: Iterable[str], patterns: list[str]) -> list[str]:
-    """Kernels a stage's patterns match (re.search, as harness.kernel_profile.assign_stages)."""
-    rx = [re.compile(p) for p in patterns]
-    return [k for k in kernel_names if any(r.search(k) for r in rx)]
+    """Kernels a stage's patterns match, by the profile's own rule (kernel_profile.stage_matches)."""
+    return [k for k in kernel_names if stage_matches(k, patterns)]
 
 
 def stage_sums(kernels: dict[str, dict], patterns: dict[str, list[str]]) -> dict[str, dict]:

@@ -275,6 +275,23 @@ def test_triton_stages_match_reference_stages(B, T, H, K, V, cu):
         assert rel(at[m], S[m]) < tol, m
 
 
+def test_v_and_g_gradients_come_in_their_inputs_dtypes():
+    """The kernels that finish dv and dg store them in v's and g's dtypes (the op's cast to the
+    input dtypes is then no copy); the other gradients stay FP32. Values: an FP32 run's within
+    bf16 rounding of v, g and of the results (bf16 v also turns some of the recompute's dots to
+    bf16, as it did before)."""
+    d = make(1, 70, 2, 64, 32, [0, 20, 70])
+    sv = saved_from_reference(d)
+    wide = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="materialised")
+    assert wide["v"].dtype == wide["g"].dtype == torch.float32
+    d["v"], d["g"] = d["v"].bfloat16(), d["g"].bfloat16()
+    narrow = bwd.pkda_bwd(*bwd_args(d), saved=sv, schedule="materialised")
+    assert narrow["v"].dtype == narrow["g"].dtype == torch.bfloat16
+    assert rel(narrow["v"].float(), wide["v"]) < 2e-2 and rel(narrow["g"].float(), wide["g"]) < 2e-2
+    for n in ("q", "k", "beta", "g_atk", "beta_atk"):
+        assert narrow[n].dtype == torch.float32, n
+
+
 # --------------------------------------------------------------------------- the public op
 @pytest.mark.parametrize("onchip", ["0", "1"])
 def test_op_gradients_match_naive_fp64(onchip, monkeypatch):

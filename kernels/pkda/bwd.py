@@ -29,11 +29,12 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
                     W and U come from fwd_wu instead of a second fwd.intra). A `layout`
                     in it (the forward's ChunkLayout) is used instead of building one.
 
-Returns a dict of FP32 gradients, same shapes as the matching inputs:
+Returns a dict of gradients, same shapes as the matching inputs:
     q, k (w.r.t. the normalised q, k), v, g, g_atk, beta_atk, beta, log_atk_scale [H],
     initial_state [N,H,K,V] (None if initial_state is None),
-    initial_A_state [N,H,K] (None if initial_A_state is None).
-The caller casts to the input dtypes.
+    initial_A_state [N,H,K] (None if initial_A_state is None);
+v's and g's in v's and g's dtypes (their last kernel rounds them once, as a cast would, and the
+two largest casts of the call are gone), the rest in FP32. The caller casts to the input dtypes.
 
 Semantics: gradients of  sum(o*do) + sum(S_T*dht) + sum(a_T*dat)  for the recurrence
 of shared/design/pkda.md (a_t, r_t, m_t, p_t = k_t m_t, S_t, o_t = S_t^T (scale q_t)).
@@ -220,7 +221,8 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         i_t = NT - 1 - i
         cbos = bos + i_t * BT
         L = tl.minimum(eos - cbos, BT)
-        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv, b_dE, mask=m_kv)
+        tl.store(dE_all + ((coff + i_t) * H + i_h) * K * V + p_kv,
+                 b_dE.to(dE_all.dtype.element_ty), mask=m_kv)
         rows = cbos + o_t
         m_t = o_t < L
         m_tk = m_t[:, None] & m_k[None, :]
@@ -233,7 +235,7 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
         b_dD = (tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
                 + tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC))
-        tl.store(dDelta + p_tv, b_dD, mask=m_tv)
+        tl.store(dDelta + p_tv, b_dD.to(dDelta.dtype.element_ty), mask=m_tv)
         b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
@@ -276,7 +278,7 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
         b_dA += tl.dot(b_dX.to(DT), tl.trans(b_dl).to(DT), input_precision=PREC)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.).to(tl.float32)
         b_db += tl.sum(b_dX * b_v, axis=1)
-        tl.store(dv + p_tv, b_dX * b_beta[:, None], mask=m_tv)
+        tl.store(dv + p_tv, (b_dX * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
     keep = m_A & (o_t[:, None] > o_t[None, :])
     tl.store(dAkk + (rows[:, None] * H + i_h) * BT + o_t[None, :], tl.where(keep, -b_dA, 0.),
              mask=m_t[:, None])
@@ -300,7 +302,7 @@ def pkda_bwd_wy_dqkg_kernel(q, k, v, p, G, beta, Tinv, h_all, dE_all, Delta, dDe
             m_kv = m_k[:, None] & m_v[None, :]
             p_kv = h_base + o_k[:, None] * V + o_v[None, :]
             b_h = tl.load(h_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
-            b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.)
+            b_dE = tl.load(dE_all + p_kv, mask=m_kv, other=0.).to(tl.float32)
             b_dD = tl.load(dDelta + p_tv, mask=m_tv, other=0.)
             b_dX = tl.dot(tl.trans(b_Ti).to(DT), b_dD.to(DT), input_precision=PREC)
             b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
@@ -691,7 +693,7 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
     m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
     ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
     b = tl.load(dG + ptr, mask=m, other=0.)
-    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True), mask=m)
+    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True).to(dg.dtype.element_ty), mask=m)
 
 
 # =============================================================================================
@@ -799,11 +801,15 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
 
 
 def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
-    """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V], dS0 [N,H,K,V]) in FP32."""
+    """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V]) in q's dtype and dS0 [N,H,K,V]
+    in FP32. The kernel carries dE in FP32 across chunks; what it stores is read by
+    bwd.wy_dqkg as tl.dot operands (cast to q's dtype there anyway) and, for dE, in dG's
+    last-row term sum_v h dE (h is stored in q's dtype too): half the bytes of FP32 at bf16,
+    both written once and read up to 1 + K/64 times."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    dE_all = q.new_empty((lay.NT, H, K, V), dtype=torch.float32)
-    dDelta = _new(do.shape, do, lay.covered)
+    dE_all = q.new_empty((lay.NT, H, K, V))
+    dDelta = _new(do.shape, do, lay.covered, dtype=q.dtype)
     dS0 = q.new_empty((lay.N, H, K, V), dtype=torch.float32)
     BK = triton.next_power_of_2(K)
     BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
@@ -817,12 +823,14 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
 
 def bwd_wy_dqkg(q, k, v, p, G, beta, Tinv, h, dE_all, Delta, dDelta, do, scale, lay):
     """bwd.wy_dqkg. Returns dict(dq, dk, dp, dG [B,T,H,K], dv [B,T,H,V], dbeta [B,T,H],
-    dAkk [B,T,H,64]) in FP32 (inter-chunk / WY parts only)."""
+    dAkk [B,T,H,64]) (inter-chunk / WY parts only) in FP32 but dv, which is final here, in
+    v's dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     out = dict(dq=_new(q.shape, q, lay.covered), dk=_new(q.shape, q, lay.covered),
                dp=_new(q.shape, q, lay.covered), dG=_new(q.shape, q, lay.covered),
-               dv=_new(v.shape, v, lay.covered), dbeta=_new(beta.shape, beta, lay.covered),
+               dv=_new(v.shape, v, lay.covered, dtype=v.dtype),
+               dbeta=_new(beta.shape, beta, lay.covered),
                dAkk=_new((B, T, H, CHUNK), q, lay.covered))
     if lay.NT:
         pkda_bwd_wy_dqkg_kernel[(lay.NT, H)](
@@ -853,10 +861,10 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     return grads
 
 
-def bwd_dg(dG, lay):
-    """dg = in-chunk reverse cumsum of dG."""
+def bwd_dg(dG, lay, dtype=torch.float32):
+    """dg = in-chunk reverse cumsum of dG, in `dtype`."""
     B, T, H, K = dG.shape
-    dg = _new(dG.shape, dG, lay.covered)
+    dg = _new(dG.shape, dG, lay.covered, dtype=dtype)
     BK = _bk(K)
     if lay.NT:
         pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, dg, lay.chunk_bounds,
@@ -995,7 +1003,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                             rc["Delta"], dDelta, do, scale, lay)
     with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
-        dg = bwd_dg(grads["dG"], lay)
+        dg = bwd_dg(grads["dG"], lay, g.dtype)
     with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)

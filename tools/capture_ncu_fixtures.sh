@@ -10,7 +10,10 @@
 #   pkda-small-full.ncu-rep  pkda-small-source.ncu-rep   the fixtures to commit under fixtures/ncu/
 #   ncu-capture-extras.tgz: *.raw.csv (ncu --import --csv --page raw: every metric name the report
 #   holds), *.parse.txt, *.log, env.txt (the device tool returns at most 8 files)
-# Knobs (env): PY, NCU, OP, KREGEX, COUNT, T_WARM, T_PASS.
+# Knobs (env): PY, NCU, OP, KREGEX, COUNT, T_WARM, T_PASS, SHAPE (the job's shape as JSON, e.g.
+# '{"name": "B4_T2048_H16_D128", "B": 4, "T": 2048, "H": 16, "K": 128, "V": 128}' for a look at one
+# stage's kernels at a registered row rather than fixtures), PASSES (default "full source": the
+# full pass always runs; "full" leaves the source-counters pass out).
 set -x
 set -u
 OUT=${OUT:-$PWD/ncu-fixtures-out}
@@ -22,6 +25,8 @@ KREGEX=${KREGEX:-pkda_bwd_(dAv|intra|beta)}
 COUNT=${COUNT:-3}
 T_WARM=${T_WARM:-300}
 T_PASS=${T_PASS:-120}
+SHAPE=${SHAPE:-'{"name": "small", "B": 1, "T": 256, "H": 2, "K": 64, "V": 64}'}
+PASSES=${PASSES:-full source}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export TRITON_CACHE_DIR=$WORK/triton   # shared by the warm run and both passes: ncu never waits on compiles
@@ -39,7 +44,7 @@ export PYTHONPATH=$PWD:$WORK/deps${PYTHONPATH:+:$PYTHONPATH}
 cat > "$WORK/job.json" <<EOF
 {"worktree": "$PWD", "op": "$OP",
  "inputs_file": "$PWD/experiments/inputs/pkda.py", "inputs_fn": "make_inputs",
- "shape": {"name": "small", "B": 1, "T": 256, "H": 2, "K": 64, "V": 64}, "mode": "fwdbwd",
+ "shape": $SHAPE, "mode": "fwdbwd",
  "dtype": "bfloat16", "seed": 0, "warmup": 3, "result_path": "$OUT/target.json"}
 EOF
 cp "$WORK/job.json" "$OUT/job.json"
@@ -54,12 +59,12 @@ timeout "$T_PASS" "$NCU" "${COMMON[@]}" --set full --section PmSampling --sectio
   --metrics sm__inst_executed_pipe_tensor_op_hmma.sum,sm__inst_executed_pipe_tensor_op_gmma.sum \
   -f -o "$OUT/pkda-small-full" "$PY" -m harness.ncu_target "$WORK/job.json" > "$OUT/pkda-small-full.log" 2>&1
 echo "full pass rc=$?"
-timeout "$T_PASS" "$NCU" "${COMMON[@]}" --section SourceCounters \
+[[ " $PASSES " == *" source "* ]] && timeout "$T_PASS" "$NCU" "${COMMON[@]}" --section SourceCounters \
   -f -o "$OUT/pkda-small-source" "$PY" -m harness.ncu_target "$WORK/job.json" > "$OUT/pkda-small-source.log" 2>&1
 echo "source pass rc=$?"
 
 # 3. what the reports hold: raw metrics as CSV (metric names for the table), and the harness's own reading
-for p in full source; do
+for p in $PASSES; do
   f=$OUT/pkda-small-$p.ncu-rep
   [ -f "$f" ] || { echo "MISSING $f"; tail -20 "$OUT/pkda-small-$p.log"; continue; }
   timeout 60 "$NCU" --import "$f" --csv --page raw --print-units base > "$OUT/pkda-small-$p.raw.csv" 2>&1

@@ -13,6 +13,8 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
     v               [B,T,H,V]
     g               [B,T,H,K]  per-channel log decay (natural log, <= 0), NOT cumsummed
     g_atk           [B,T,H]    scalar log decay of the ATK second moment
+                    (both as given: the kernels apply fwd.GATE_FLOOR, and the gradients
+                    are 0 below it, as the forward's)
     beta_atk, beta  [B,T,H]
     log_atk_scale   [H]        c_h
     scale, x, eps   python floats (scale already resolved, x > 1)
@@ -77,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fwd import above_floor, floored
 from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
@@ -684,8 +687,10 @@ def pkda_bwd_beta_reduce_kernel(dbeta, dbeta_part, n, NK: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of g)."""
+def pkda_bwd_dg_cumsum_kernel(dG, g, dg, chunks, H: tl.constexpr, K: tl.constexpr,
+                              BK: tl.constexpr):
+    """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of floored(g)),
+    0 where g is below the gate floor."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_bounds(chunks, i_c)
     o_t = tl.arange(0, BT)
@@ -693,7 +698,9 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
     m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
     ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
     b = tl.load(dG + ptr, mask=m, other=0.)
-    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True).to(dg.dtype.element_ty), mask=m)
+    b_g = tl.load(g + ptr, mask=m, other=0.).to(tl.float32)
+    tl.store(dg + ptr, tl.where(above_floor(b_g), tl.cumsum(b, axis=0, reverse=True),
+                                0.).to(dg.dtype.element_ty), mask=m)
 
 
 # =============================================================================================
@@ -746,7 +753,8 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
         b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
         b_dc -= tl.sum(b_dr, axis=0)
         b_dad = b_dr / (b_a + eps)
-        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_ga_in = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_ga = floored(b_ga_in)
         b_Ga = tl.cumsum(b_ga, axis=0)
         b_Gl = tl.sum(b_ga, axis=0)
         m_M = m_tri & m_t[:, None] & m_t[None, :]
@@ -762,7 +770,9 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
                 + 2. * b_ba[:, None] * b_k * b_da)
         tl.store(dk + p_tk, b_dk, mask=m_tk)
         p_part = (i_k * TT + rows) * H + i_h
-        tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
+        tl.store(dga_part + p_part, tl.where(above_floor(b_ga_in),
+                                             tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), 0.),
+                 mask=m_t)
         tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
         b_carry = tl.sum(tl.where((o_t == 0)[:, None], b_da * b_eg[:, None], 0.), axis=0)
     tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_carry, mask=m_k)
@@ -861,13 +871,13 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     return grads
 
 
-def bwd_dg(dG, lay, dtype=torch.float32):
-    """dg = in-chunk reverse cumsum of dG, in `dtype`."""
+def bwd_dg(dG, g, lay, dtype=torch.float32):
+    """dg = in-chunk reverse cumsum of dG, 0 where g (raw) is below the gate floor, in `dtype`."""
     B, T, H, K = dG.shape
     dg = _new(dG.shape, dG, lay.covered, dtype=dtype)
     BK = _bk(K)
     if lay.NT:
-        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, dg, lay.chunk_bounds,
+        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, g, dg, lay.chunk_bounds,
                                                                    H=H, K=K, BK=BK)
     return dg
 
@@ -1003,7 +1013,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                             rc["Delta"], dDelta, do, scale, lay)
     with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
-        dg = bwd_dg(grads["dG"], lay, g.dtype)
+        dg = bwd_dg(grads["dG"], g, lay, g.dtype)
     with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)

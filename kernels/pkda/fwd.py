@@ -15,7 +15,8 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
             eps=1e-6, output_final_state=False, store_a=False)
         -> (p [B,T,H,K] k.dtype, G [B,T,H,K] fp32, a [B,T,H,K] fp32 | None,
             a_final [N,H,K] fp32 | None)
-        k already L2-normalised; G = chunk-local inclusive cumsum of g.
+        k already L2-normalised; G = chunk-local inclusive cumsum of g; g and g_atk as given
+        (their gate floor, GATE_FLOOR, is applied here).
     fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False)
         -> (Aqk [B,T,H,64] fp32, Tinv [B,T,H,64] fp32, W [B,T,H,K] k.dtype,
             U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
@@ -51,6 +52,28 @@ BC = SUB
 # precision of the fp32 dots of fwd.intra's diagonal blocks (None: ieee for fp32 inputs,
 # tf32 for bf16/fp16 inputs)
 DIAG_PREC = None
+# Gate floor: g and g_atk entries below -GATE_FLOOR are raised to -GATE_FLOOR where a kernel
+# first reads them (fwd.atk, bwd.atk), and their gradients are 0 there (bwd.dg, bwd.atk): the
+# semantics of torch.clamp(min=-GATE_FLOOR) before the kernels, without its three extra passes
+# over g (clamp, and the comparison and select of its backward: ~0.1 ms a fwd+bwd call at
+# B4_T2048_H16_D128, docs/perf/pkda.md). exp(-24) = 3.8e-11 is ~1600x below fp32's half-ulp
+# (2^-24 = 6e-8), so the decayed history it keeps is invisible at fp32 precision, while the
+# chunk-local cumulative gates stay small enough not to cancel catastrophically.
+GATE_FLOOR = 24.0
+_FLOOR = tl.constexpr(-GATE_FLOOR)
+
+
+@triton.jit
+def floored(g):
+    """g with its entries below -GATE_FLOOR raised to it; NaN stays NaN, as torch.clamp's."""
+    return tl.where(g < _FLOOR, _FLOOR, g)
+
+
+@triton.jit
+def above_floor(g):
+    """Where floored(g) passes g's gradient through: g >= -GATE_FLOOR (False for NaN, as the
+    gradient torch.clamp gives)."""
+    return g >= _FLOOR
 
 
 def _configs(space):
@@ -191,10 +214,10 @@ def pkda_fwd_atk_local_kernel(k, g, g_atk, beta_atk, G, a_end, decay, cu, chunk_
     m_t = o_t < Lc
     rows = T0 + o_t
     ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    b_g = tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+    b_g = floored(tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32))
     tl.store(G + ptr, tl.cumsum(b_g, 0), mask=m_t[:, None])
     b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_Ga = tl.cumsum(b_ga, 0)
     b_last = tl.sum(b_ga, 0)
@@ -253,7 +276,7 @@ def pkda_fwd_atk_kernel(k, g_atk, beta_atk, c, a_in, p, a_out, cu, chunk_indices
     rows = T0 + o_t
     ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
     b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_Ga = tl.cumsum(b_ga, 0)
     tril = o_t[:, None] >= o_t[None, :]

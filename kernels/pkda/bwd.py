@@ -687,10 +687,11 @@ def pkda_bwd_beta_reduce_kernel(dbeta, dbeta_part, n, NK: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def pkda_bwd_dg_cumsum_kernel(dG, g, dg, chunks, H: tl.constexpr, K: tl.constexpr,
-                              BK: tl.constexpr):
+def pkda_bwd_dg_cumsum_kernel(dG, g, floor_flags, dg, chunks, H: tl.constexpr,
+                              K: tl.constexpr, BK: tl.constexpr, FROM_FLAGS: tl.constexpr):
     """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of floored(g)),
-    0 where g is below the gate floor."""
+    0 where g is below the gate floor. g is read only in tiles that fwd.atk's floor_flags mark
+    (FROM_FLAGS), else in every tile."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_bounds(chunks, i_c)
     o_t = tl.arange(0, BT)
@@ -698,9 +699,15 @@ def pkda_bwd_dg_cumsum_kernel(dG, g, dg, chunks, H: tl.constexpr, K: tl.constexp
     m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
     ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
     b = tl.load(dG + ptr, mask=m, other=0.)
-    b_g = tl.load(g + ptr, mask=m, other=0.).to(tl.float32)
-    tl.store(dg + ptr, tl.where(above_floor(b_g), tl.cumsum(b, axis=0, reverse=True),
-                                0.).to(dg.dtype.element_ty), mask=m)
+    b_dg = tl.cumsum(b, axis=0, reverse=True)
+    if FROM_FLAGS:
+        b_any = tl.max(tl.load(floor_flags + (i_c.to(tl.int64) * H + i_h) * K + o_k,
+                               mask=o_k < K, other=0))
+    else:
+        b_any = 1
+    if b_any != 0:
+        b_dg = tl.where(above_floor(tl.load(g + ptr, mask=m, other=0.).to(tl.float32)), b_dg, 0.)
+    tl.store(dg + ptr, b_dg.to(dg.dtype.element_ty), mask=m)
 
 
 # =============================================================================================
@@ -753,8 +760,7 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
         b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
         b_dc -= tl.sum(b_dr, axis=0)
         b_dad = b_dr / (b_a + eps)
-        b_ga_in = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_ga = floored(b_ga_in)
+        b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
         b_Ga = tl.cumsum(b_ga, axis=0)
         b_Gl = tl.sum(b_ga, axis=0)
         m_M = m_tri & m_t[:, None] & m_t[None, :]
@@ -770,7 +776,11 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
                 + 2. * b_ba[:, None] * b_k * b_da)
         tl.store(dk + p_tk, b_dk, mask=m_tk)
         p_part = (i_k * TT + rows) * H + i_h
-        tl.store(dga_part + p_part, tl.where(above_floor(b_ga_in),
+        # g_atk read again (128 bytes, a cache hit) rather than kept from the top of the
+        # iteration: kept live across the scan and the dot, ptxas spilled more around it
+        # (offline sm_90: 600 B of stack, against 440 without the floor and 416 this way)
+        b_ga_raw = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        tl.store(dga_part + p_part, tl.where(above_floor(b_ga_raw),
                                              tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), 0.),
                  mask=m_t)
         tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
@@ -871,14 +881,16 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     return grads
 
 
-def bwd_dg(dG, g, lay, dtype=torch.float32):
-    """dg = in-chunk reverse cumsum of dG, 0 where g (raw) is below the gate floor, in `dtype`."""
+def bwd_dg(dG, g, lay, dtype=torch.float32, floor_flags=None):
+    """dg = in-chunk reverse cumsum of dG, 0 where g (raw) is below the gate floor, in `dtype`.
+    floor_flags: fwd_atk's for this g (g is then read only in the tiles they mark), or None."""
     B, T, H, K = dG.shape
     dg = _new(dG.shape, dG, lay.covered, dtype=dtype)
     BK = _bk(K)
     if lay.NT:
-        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, g, dg, lay.chunk_bounds,
-                                                                   H=H, K=K, BK=BK)
+        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](
+            dG, g, floor_flags if floor_flags is not None else g, dg, lay.chunk_bounds, H=H,
+            K=K, BK=BK, FROM_FLAGS=floor_flags is not None)
     return dg
 
 
@@ -912,20 +924,22 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
     """bwd.recompute: a, p, G (fwd.atk), Aqk, Tinv, W, U (fwd.intra), h, Delta (fwd.h), with
     the forward's own Triton stage launchers. Tensors present in `saved` are reused: all of
     RECOMPUTE_KEYS skips the stage; Aqk and Tinv alone (KEPT_BY_DEFAULT) replace fwd.intra by
-    fwd_wu (W, U from Tinv)."""
+    fwd_wu (W, U from Tinv). When fwd.atk runs, its floor_flags come too (for bwd.dg)."""
     saved = saved or {}
     if all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
         return {n: saved[n] for n in RECOMPUTE_KEYS}
     from . import fwd
+    floor_flags = torch.empty((lay.NT,) + tuple(g.shape[2:]), dtype=torch.int8, device=g.device)
     p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
-                             store_a=True)
+                             store_a=True, floor_flags=floor_flags)
     if all(saved.get(n) is not None for n in KEPT_BY_DEFAULT):
         Aqk, Tinv = saved["Aqk"], saved["Tinv"]
         W, U = fwd.fwd_wu(k, v, G, beta, Tinv, lay)
     else:
         Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay)
     h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state)
-    return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
+    return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta,
+                floor_flags=floor_flags)
 
 
 # ---------------------------------------------------------------------------- the dAqk seam
@@ -1013,7 +1027,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                             rc["Delta"], dDelta, do, scale, lay)
     with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
-        dg = bwd_dg(grads["dG"], g, lay, g.dtype)
+        dg = bwd_dg(grads["dG"], g, lay, g.dtype, rc.get("floor_flags"))
     with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)

@@ -132,7 +132,7 @@ if [ "${FINAL:-0}" = 1 ]; then
   if [ "$(stat -c %s /tmp/records.tgz)" -le 15000000 ]; then cp /tmp/records.tgz "$OUT/"; else
     tar czf "$OUT/records.tgz" --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' \
       --exclude='*.ncu-rep' results; fi
-  find results -name '*.ncu-rep' -exec ls -la {} \;
+  find results -path "*/$NAME/*" -name '*.ncu-rep' -exec ls -la {} \;   # this experiment's only: a machine reused by tools/h200_sessions.sh holds the earlier ones' too
   ls -la "$OUT" "$OUT"/ncu-fixtures 2>/dev/null
   exit 0
 fi

@@ -59,9 +59,11 @@ timeout "$T_PASS" "$NCU" "${COMMON[@]}" --set full --section PmSampling --sectio
   --metrics sm__inst_executed_pipe_tensor_op_hmma.sum,sm__inst_executed_pipe_tensor_op_gmma.sum \
   -f -o "$OUT/pkda-small-full" "$PY" -m harness.ncu_target "$WORK/job.json" > "$OUT/pkda-small-full.log" 2>&1
 echo "full pass rc=$?"
-[[ " $PASSES " == *" source "* ]] && timeout "$T_PASS" "$NCU" "${COMMON[@]}" --section SourceCounters \
-  -f -o "$OUT/pkda-small-source" "$PY" -m harness.ncu_target "$WORK/job.json" > "$OUT/pkda-small-source.log" 2>&1
-echo "source pass rc=$?"
+if [[ " $PASSES " == *" source "* ]]; then
+  timeout "$T_PASS" "$NCU" "${COMMON[@]}" --section SourceCounters \
+    -f -o "$OUT/pkda-small-source" "$PY" -m harness.ncu_target "$WORK/job.json" > "$OUT/pkda-small-source.log" 2>&1
+  echo "source pass rc=$?"
+fi
 
 # 3. what the reports hold: raw metrics as CSV (metric names for the table), and the harness's own reading
 for p in $PASSES; do

@@ -585,11 +585,14 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
     f32 = dict(dtype=torch.float32, device=k.device)
     # Aqk and Tinv are read whole (fwd.o, fwd_wu): the kernels write every row of every chunk,
     # zeros right of the diagonal blocks; tokens outside every sequence (an uncovered varlen
-    # tail) are no chunk's, so only then the host zeros them. Akk is read only by the solve,
-    # below the diagonal and above the chunk's end
+    # tail) are no chunk's, so only then the host zeros them. Both are stored in k's dtype:
+    # every reader (fwd.o, fwd_wu, bwd.dAv, bwd.wy_dqkg) rounds them to it before its dot, so
+    # rounding once at the store gives the same operands in half the bytes (the op keeps both
+    # for the backward). Akk stays FP32: the solve reads it below the diagonal and above the
+    # chunk's end
     alloc = torch.empty if layout.covered else torch.zeros
-    Aqk = alloc(B, T, H, BT, **f32)
-    Tinv = alloc(B, T, H, BT, **f32)
+    Aqk = alloc(B, T, H, BT, dtype=k.dtype, device=k.device)
+    Tinv = alloc(B, T, H, BT, dtype=k.dtype, device=k.device)
     Akk = (torch.zeros if store_akk else torch.empty)(B, T, H, BT, **f32)
     if layout.NT:
         pkda_fwd_intra_a_kernel[grid_intra_a(layout.NT, H)](

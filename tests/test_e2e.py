@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.records import completed_blocks, load_blocks
+from harness.records import completed_blocks, load_blocks, read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timing  # verdicts from CPU timings (the marker in pyproject.toml)
@@ -109,7 +109,9 @@ def test_sigkill_mid_block_resumes_without_loss_or_duplicates(temp_repo):
     deadline = time.time() + 240
     killed_block = None
     while time.time() < deadline:
-        recs = [json.loads(l) for l in samples.read_text().splitlines() if l.strip()] if samples.exists() else []
+        # the run appends while this polls: its last line may be half written, so read whole lines
+        # only, as the harness's own reader does
+        recs = read_jsonl(samples, damage=[])
         mid = [r for r in recs if r["type"] == "sample" and r["block"] == 2 and r["i"] >= 3]
         if mid:
             os.killpg(proc.pid, signal.SIGKILL)  # the orchestrator and its worker, mid-block

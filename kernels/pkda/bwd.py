@@ -51,7 +51,9 @@ on the thread that launches the kernels) and their kernels:
                                                                              grid (NT, H)
     intra      pkda_bwd_intra_kernel      + pkda_bwd_beta_reduce_kernel      grid (NT*4, H, NK)
                pkda_bwd_dg_cumsum_kernel  dg = in-chunk reverse cumsum of dG
-    atk        pkda_bwd_atk_kernel        dp -> dk, dg_atk, dbeta_atk, dc, da0  grid (N*H*NK,)
+    atk        pkda_bwd_atk_summary_kernel  each chunk's share of the da carry  grid (NT*H*NK,)
+               pkda_bwd_atk_carry_kernel    the carries chained per sequence, da0  grid (N*H*NK,)
+               pkda_bwd_atk_kernel        dp -> dk, dg_atk, dbeta_atk, dc      grid (NT*H*NK,)
 (NT = chunks of all sequences, N = sequences; products sit in grid X only.)
 
 The dAqk seam: ``bwd.dAv`` + ``bwd.intra`` (+ the beta reduction) are one replaceable unit,
@@ -698,75 +700,133 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
 
 # =============================================================================================
 # bwd.atk: dp -> dk (p = k m(a)), dg_atk, dbeta_atk, dlog_atk_scale, da_0.
-# One program per (sequence, head), reverse over its chunks; in-chunk reverse scan as a
-# [64,64] masked decay matrix (exponents Ga_s - Ga_t <= 0, formed as differences).
+# The reverse scan of the ATK moment's gradient, da_t = dad_t + exp(g_atk_{t+1}) da_{t+1}, runs
+# over every token of a sequence; only a [K] carry crosses a chunk boundary. Serially over chunks
+# in one program per (sequence, head, K tile) it had 256 programs at B4 H16 K128 and took 0.30 ms
+# a call on an H100 (latency: ~9 us a chunk step). Here the chunks run in parallel, three
+# launches: each chunk's own share of the carry (summary), the carries chained per sequence
+# (carry, [K] vectors only), then every chunk's gradients from its incoming carry (chunk).
+# In-chunk, the scan is a [64, 64] masked decay matrix (exponents Ga_s - Ga_t <= 0).
 # =============================================================================================
 @triton.jit
-def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba_part, dc_part,
-                        da0, cu, TT, logx, eps,
-                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                        USE_A0: tl.constexpr, USE_DAT: tl.constexpr):
-    """One program per (sequence x head x K tile): every channel's a_t is its own scan, so
-    K splits freely; dg_atk / dbeta_atk (sums over K) go to per-K-tile partials."""
+def _atk_dad(k, a, dp, c, p_tk, m_tk, logx, eps, i_h):
+    """For one chunk's [64, BK] tile: (k, a, m, dr, dad) with p = k m(a), m = exp(-logx r/(1+|r|)),
+    r = log(a + eps) - c_h; dr = dL/dr and dad = dL/da of p's path (0 outside m_tk)."""
+    b_a = tl.load(a + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
+    b_dp = tl.load(dp + p_tk, mask=m_tk, other=0.)
+    b_r = tl.log(b_a + eps) - tl.load(c + i_h).to(tl.float32)
+    b_ar = tl.abs(b_r) + 1.
+    b_m = tl.exp(-logx * b_r / b_ar)
+    b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
+    return b_k, b_a, b_dp, b_m, b_dr, b_dr / (b_a + eps)
+
+
+@triton.jit
+def _atk_chunk_tile(chunk_indices, cu, i_x, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """(sequence bos, chunk's first row, chunk length, head, K offsets, K mask, global chunk)
+    of program i_x of a grid over (chunk, head, K tile)."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    i_k = i_x % NK
+    i_ch = i_x // NK
+    i_h = i_ch % H
+    i_c = i_ch // H
+    i_n = tl.load(chunk_indices + i_c * 2)
+    i_t = tl.load(chunk_indices + i_c * 2 + 1).to(tl.int64)
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    cbos = bos + i_t * BT
+    o_k = i_k * BK + tl.arange(0, BK)
+    return bos, cbos, tl.minimum(eos - cbos, BT), i_h, i_k, o_k, o_k < K, i_c
+
+
+@triton.jit
+def pkda_bwd_atk_summary_kernel(k, a, g_atk, c, dp, carry, decay, cu, chunk_indices, logx, eps,
+                                H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """Per (chunk, head, K tile): what the chunk adds to the carry it hands the chunk before it,
+    sum_j exp(Ga_j) dad_j (Ga the in-chunk inclusive cumsum of g_atk), and (K tile 0) the
+    chunk's decay exp(Ga_last), which scales the carry it receives on the way through."""
+    bos, cbos, L, i_h, i_k, o_k, m_k, i_c = _atk_chunk_tile(chunk_indices, cu, tl.program_id(0),
+                                                            H, K, BK)
+    o_t = tl.arange(0, BT)
+    rows = cbos + o_t
+    m_t = o_t < L
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    b_k, b_a, b_dp, b_m, b_dr, b_dad = _atk_dad(k, a, dp, c, p_tk, m_tk, logx, eps, i_h)
+    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_Ga = tl.cumsum(b_ga, axis=0)
+    st = i_c.to(tl.int64) * H + i_h
+    tl.store(carry + st * K + o_k, tl.sum(tl.exp(b_Ga)[:, None] * b_dad, axis=0), mask=m_k)
+    if i_k == 0:
+        tl.store(decay + st, tl.exp(tl.sum(b_ga, axis=0)))
+
+
+@triton.jit
+def pkda_bwd_atk_carry_kernel(carry, decay, dat, da0, chunk_offsets, H: tl.constexpr,
+                              K: tl.constexpr, BK: tl.constexpr, USE_DAT: tl.constexpr):
+    """Per (sequence, head, K tile), last chunk first: carry[c] (chunk c's own share, from the
+    summary) becomes the carry chunk c receives from the chunks after it (dat at the sequence's
+    end); what leaves the first chunk is da0."""
     NK: tl.constexpr = (K + BK - 1) // BK
     i_x = tl.program_id(0)
     i_nh, i_k = i_x // NK, i_x % NK
     i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu + i_n).to(tl.int64)
-    eos = tl.load(cu + i_n + 1).to(tl.int64)
-    NT = tl.cdiv(eos - bos, BT)
-    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    b_c = tl.load(c + i_h).to(tl.float32)
     if USE_DAT:
-        b_carry = tl.load(dat + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_in = tl.load(dat + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.).to(tl.float32)
     else:
-        b_carry = tl.zeros([BK], dtype=tl.float32)
+        b_in = tl.zeros([BK], dtype=tl.float32)
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    c1 = tl.load(chunk_offsets + i_n + 1).to(tl.int64)
+    for i in range(0, c1 - c0):
+        st = (c1 - 1 - i) * H + i_h
+        b_own = tl.load(carry + st * K + o_k, mask=m_k, other=0.)
+        tl.store(carry + st * K + o_k, b_in, mask=m_k)
+        b_in = b_own + tl.load(decay + st) * b_in
+    tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_in, mask=m_k)
+
+
+@triton.jit
+def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, carry, dga_part, dba_part, dc_part,
+                        cu, chunk_indices, TT, logx, eps,
+                        H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                        USE_A0: tl.constexpr):
+    """Per (chunk, head, K tile), from the carry the chunk receives: da = M dad + exp(Ga_last -
+    Ga) carry (M the in-chunk reverse decay matrix), then dk (in place), and per-K-tile
+    partials of dg_atk, dbeta_atk and dlog_atk_scale (their sums over K are taken outside)."""
+    i_x = tl.program_id(0)
+    bos, cbos, L, i_h, i_k, o_k, m_k, i_c = _atk_chunk_tile(chunk_indices, cu, i_x, H, K, BK)
+    o_t = tl.arange(0, BT)
+    rows = cbos + o_t
+    m_t = o_t < L
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
+    b_k, b_a, b_dp, b_m, b_dr, b_dad = _atk_dad(k, a, dp, c, p_tk, m_tk, logx, eps, i_h)
+    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_Ga = tl.cumsum(b_ga, axis=0)
+    b_Gl = tl.sum(b_ga, axis=0)
+    b_carry = tl.load(carry + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
+    m_M = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
+    b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
+    b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
+            + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
+    m_prev = m_tk & (rows > bos)[:, None]
+    b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
     if USE_A0:
-        b_a0 = tl.load(a0 + i_nh.to(tl.int64) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-    else:
-        b_a0 = tl.zeros([BK], dtype=tl.float32)
-    b_dc = tl.zeros([BK], dtype=tl.float32)
-    m_tri = o_t[:, None] <= o_t[None, :]
-    for i in range(NT):
-        i_t = NT - 1 - i
-        cbos = bos + i_t * BT
-        L = tl.minimum(eos - cbos, BT)
-        rows = cbos + o_t
-        m_t = o_t < L
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
-        b_a = tl.load(a + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_dp = tl.load(dp + p_tk, mask=m_tk, other=0.)
-        b_r = tl.log(b_a + eps) - b_c
-        b_ar = tl.abs(b_r) + 1.
-        b_m = tl.exp(-logx * b_r / b_ar)
-        b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
-        b_dc -= tl.sum(b_dr, axis=0)
-        b_dad = b_dr / (b_a + eps)
-        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_Ga = tl.cumsum(b_ga, axis=0)
-        b_Gl = tl.sum(b_ga, axis=0)
-        m_M = m_tri & m_t[:, None] & m_t[None, :]
-        b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
-        b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
-                + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
-        m_prev = m_tk & (rows > bos)[:, None]
-        b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
+        b_a0 = tl.load(a0 + (tl.load(chunk_indices + i_c * 2).to(tl.int64) * H + i_h) * K + o_k,
+                       mask=m_k, other=0.).to(tl.float32)
         b_ap += tl.where((rows == bos)[:, None] & m_k[None, :], b_a0[None, :], 0.)
-        b_eg = tl.exp(b_ga)
-        b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
-        b_dk = (tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m
-                + 2. * b_ba[:, None] * b_k * b_da)
-        tl.store(dk + p_tk, b_dk, mask=m_tk)
-        p_part = (i_k * TT + rows) * H + i_h
-        tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
-        tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
-        b_carry = tl.sum(tl.where((o_t == 0)[:, None], b_da * b_eg[:, None], 0.), axis=0)
-    tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_carry, mask=m_k)
-    tl.store(dc_part + i_x, tl.sum(b_dc, axis=0))
+    b_eg = tl.exp(b_ga)
+    b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_dk = (tl.load(dk + p_tk, mask=m_tk, other=0.) + b_dp * b_m
+            + 2. * b_ba[:, None] * b_k * b_da)
+    tl.store(dk + p_tk, b_dk, mask=m_tk)
+    p_part = (i_k * TT + rows) * H + i_h
+    tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
+    tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
+    tl.store(dc_part + i_x, -tl.sum(tl.sum(b_dr, axis=1), axis=0))
 
 
 # =============================================================================================
@@ -877,19 +937,35 @@ def bwd_atk(k, a, g_atk, beta_atk, c, dp, dk, initial_A_state, dat, x, eps, lay)
     B, T, H, K = k.shape
     BK = min(32, triton.next_power_of_2(K))
     NK = triton.cdiv(K, BK)
+    NT = lay.NT
     dga = _new((NK, B, T, H), k, lay.covered)
     dba = _new((NK, B, T, H), k, lay.covered)
-    dc_part = k.new_zeros((lay.N, H, NK), dtype=torch.float32)
-    da0 = k.new_zeros((lay.N, H, K), dtype=torch.float32)
+    dc_part = k.new_zeros((NT * H * NK,), dtype=torch.float32)
+    da0 = k.new_empty((lay.N, H, K), dtype=torch.float32)
+    # per (chunk, head): the chunk's own share of the carry, then (in place) the carry it receives
+    carry = k.new_empty((NT, H, K), dtype=torch.float32)
+    decay = k.new_empty((NT, H), dtype=torch.float32)
+    logx = math.log(x)
+    if NT:
+        grid = (NT * H * NK,)
+        pkda_bwd_atk_summary_kernel[grid](k, a, g_atk, c, dp, carry, decay, lay.cu,
+                                          lay.chunk_indices, logx, eps, H=H, K=K, BK=BK,
+                                          num_warps=4)
     if lay.N:
-        # not autotuned: it updates dk in place
-        pkda_bwd_atk_kernel[(lay.N * H * NK,)](
+        pkda_bwd_atk_carry_kernel[(lay.N * H * NK,)](carry, decay, dat if dat is not None else da0,
+                                                     da0, lay.chunk_offsets, H=H, K=K, BK=BK,
+                                                     USE_DAT=dat is not None, num_warps=1)
+    if NT:
+        # not autotuned: it updates dk in place. 8 warps: at 4 the [64, 64] decay matrix and the
+        # FMA dot's operands take 255 registers and spill 384 B a thread at K=128 (offline sm_90
+        # compile, tools/kernel_resources.py); at 8, 194 registers and no spills
+        pkda_bwd_atk_kernel[grid](
             k, a, g_atk, beta_atk, c, dp, dk,
-            initial_A_state if initial_A_state is not None else da0,
-            dat if dat is not None else da0, dga, dba, dc_part, da0, lay.cu, B * T,
-            math.log(x), eps, H=H, K=K, BK=BK,
-            USE_A0=initial_A_state is not None, USE_DAT=dat is not None, num_warps=4)
-    return dict(dg_atk=dga.sum(0), dbeta_atk=dba.sum(0), dc=dc_part.sum((0, 2)), da0=da0)
+            initial_A_state if initial_A_state is not None else da0, carry, dga, dba, dc_part,
+            lay.cu, lay.chunk_indices, B * T, logx, eps, H=H, K=K, BK=BK,
+            USE_A0=initial_A_state is not None, num_warps=8)
+    return dict(dg_atk=dga.sum(0), dbeta_atk=dba.sum(0),
+                dc=dc_part.reshape(NT, H, NK).sum((0, 2)), da0=da0)
 
 
 RECOMPUTE_KEYS = ("a", "p", "G", "Aqk", "Tinv", "W", "U", "h", "Delta")

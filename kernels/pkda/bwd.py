@@ -79,6 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fwd import decayed_sum
 from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
@@ -706,7 +707,7 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
 # a call on an H100 (latency: ~9 us a chunk step). Here the chunks run in parallel, three
 # launches: each chunk's own share of the carry (summary), the carries chained per sequence
 # (carry, [K] vectors only), then every chunk's gradients from its incoming carry (chunk).
-# In-chunk, the scan is a [64, 64] masked decay matrix (exponents Ga_s - Ga_t <= 0).
+# In-chunk, the scan is an associative scan over the chunk's rows (fwd.decayed_sum).
 # =============================================================================================
 @triton.jit
 def _atk_dad(k, a, dp, c, p_tk, m_tk, logx, eps, i_h):
@@ -808,10 +809,13 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, carry, dga_part, d
     b_Ga = tl.cumsum(b_ga, axis=0)
     b_Gl = tl.sum(b_ga, axis=0)
     b_carry = tl.load(carry + (i_c.to(tl.int64) * H + i_h) * K + o_k, mask=m_k, other=0.)
-    m_M = (o_t[:, None] <= o_t[None, :]) & m_t[:, None] & m_t[None, :]
-    b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
-    b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
-            + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
+    # in-chunk: da_r = dad_r + exp(ga_(r+1)) da_(r+1), a reverse scan over the rows (each row
+    # carries the decay of the row after it), instead of a [64, 64] decay matrix as an IEEE
+    # FMA dot; then the carry from the later chunks, decayed to each row
+    b_dnext = tl.exp(tl.load(g_atk + (rows + 1) * H + i_h, mask=(o_t + 1) < L, other=0.).to(tl.float32))
+    _, b_da = tl.associative_scan((tl.broadcast_to(b_dnext[:, None], (BT, BK)), b_dad), 0,
+                                  decayed_sum, reverse=True)
+    b_da += tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :]
     m_prev = m_tk & (rows > bos)[:, None]
     b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
     if USE_A0:
@@ -956,9 +960,8 @@ def bwd_atk(k, a, g_atk, beta_atk, c, dp, dk, initial_A_state, dat, x, eps, lay)
                                                      da0, lay.chunk_offsets, H=H, K=K, BK=BK,
                                                      USE_DAT=dat is not None, num_warps=1)
     if NT:
-        # not autotuned: it updates dk in place. 8 warps: at 4 the [64, 64] decay matrix and the
-        # FMA dot's operands take 255 registers and spill 384 B a thread at K=128 (offline sm_90
-        # compile, tools/kernel_resources.py); at 8, 194 registers and no spills
+        # not autotuned: it updates dk in place. 8 warps: 103 registers against 168 at 4 (offline
+        # sm_90, K = 128 and 256, no spills either way), 16 warps an SM against 12
         pkda_bwd_atk_kernel[grid](
             k, a, g_atk, beta_atk, c, dp, dk,
             initial_A_state if initial_A_state is not None else da0, carry, dga, dba, dc_part,

@@ -17,6 +17,7 @@ from kernels.pkda import reference_bwd as RB
 from kernels.pkda.naive import _recurrence, l2norm, naive_recurrent_precond_kda
 
 bwd = pytest.importorskip("kernels.pkda.bwd")
+triton = pytest.importorskip("triton")
 
 X, EPS = 1.5, 1e-6
 NAMES = ("q", "k", "v", "g", "g_atk", "beta_atk", "beta", "log_atk_scale", "initial_state",
@@ -327,6 +328,21 @@ def test_v_and_g_gradients_come_in_their_inputs_dtypes():
     assert rel(narrow["v"].float(), wide["v"]) < 2e-2 and rel(narrow["g"].float(), wide["g"]) < 2e-2
     for n in ("q", "k", "beta", "g_atk", "beta_atk"):
         assert narrow[n].dtype == torch.float32, n
+
+
+@pytest.mark.parametrize("BV", sorted({meta["BV"] for meta, _, _ in bwd.DHU_SPACE}))
+def test_every_dhu_tile_of_the_space_matches_the_reference_stage(BV, monkeypatch):
+    """The interpreter runs only the space's first config; each V tile the GPU autotuner may take
+    gives the reference dE, dDelta and dS0 (V=96: a masked last tile at both widths)."""
+    d = make(1, 100, 2, 64, 96, [0, 37, 100])
+    S = _ref_stages(d)
+    sv = saved_from_reference(d)
+    lay = bwd._layout(1, 100, d["cu"], "cpu")
+    monkeypatch.setattr(bwd.pkda_bwd_dhu_kernel, "configs", [triton.Config({"BV": BV}, num_warps=4, num_stages=1)])
+    _, dv_loc = bwd.bwd_dAv(d["do"], sv["Delta"], sv["Aqk"], d["scale"], lay)
+    dE, dDelta, dS0 = bwd.bwd_dhu(d["q"], sv["p"], sv["G"], sv["W"], d["do"], dv_loc, d["dht"], d["scale"], lay)
+    for got, want in ((dE, S["dE"]), (dDelta, S["dDelta"]), (dS0, S["dS0"])):
+        assert rel(got, want) < 2e-5
 
 
 # --------------------------------------------------------------------------- the public op

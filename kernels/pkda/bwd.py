@@ -94,8 +94,10 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _configs(cands):
-    """Tiny autotune spaces; exactly one config under the interpreter (it cannot bench)."""
-    cands = [triton.Config({}, num_warps=w, num_stages=s) for w, s in cands]
+    """Tiny autotune spaces of (num_warps, num_stages) or (meta dict, num_warps, num_stages);
+    exactly one config under the interpreter (it cannot bench)."""
+    cands = [triton.Config(dict(c[0]), num_warps=c[1], num_stages=c[2]) if len(c) == 3
+             else triton.Config({}, num_warps=c[0], num_stages=c[1]) for c in cands]
     return cands[:1] if INTERPRET else cands
 
 
@@ -198,7 +200,16 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
 # =============================================================================================
 # bwd.dhu: reverse over the chunks of one sequence; dE (end-of-chunk state grads), dDelta, dS0
 # =============================================================================================
-@triton.autotune(configs=_configs([(4, 1), (8, 1)]), key=["H", "K", "V", "DT"])
+# V tile, warps and stages of dhu: one program per (sequence x head, V tile) walks the chunks in
+# order, so a call has only N * H * V / BV programs (128 at B4_T2048_H16_D128) and each chunk's
+# loads sit on the critical path: stages 2 overlap the next chunk's loads with this chunk's dots,
+# BV 32 doubles the programs. The first entry is the interpreter's (and the old fixed launch's).
+# (pkda/dhu-stages measured this space alone, when dhu still formed its operands from G's FP32
+# tile: 1.052x; with the gated operands read as 16-bit tiles its configs need fewer registers.)
+DHU_SPACE = [({"BV": bv}, w, st) for bv in (64, 32) for w, st in ((4, 1), (8, 1), (4, 2), (8, 2))]
+
+
+@triton.autotune(configs=_configs(DHU_SPACE), key=["H", "K", "V", "DT"])
 @triton.jit
 def pkda_bwd_dhu_kernel(q, p, G, kg, qg, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off,
                         scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -888,11 +899,10 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay, kg=None, qg=None):
             raise ValueError(f"bwd_dhu: {name} must be a contiguous {tuple(q.shape)} {q.dtype} "
                              f"tensor, got {tuple(t.shape)} {t.dtype}")
     BK = triton.next_power_of_2(K)
-    BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
     if lay.N:
-        pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
+        pkda_bwd_dhu_kernel[lambda meta: (lay.N * H, triton.cdiv(V, meta["BV"]))](
             q, p, G, kg, qg, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta,
-            dS0, lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
+            dS0, lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK,
             DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None,
             PRE_GATED=kg is not None)
     return dE_all, dDelta, dS0

@@ -723,8 +723,15 @@ def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout, p=None, kg_out=None, q=None
 
 
 # ============================================================================ fwd.h
-@triton.autotune(configs=_configs([({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2)]),
-                 key=["H", "K", "V"])
+# fwd.h's launch space. Its loop reads W, U and the gated keys (16-bit tiles, no FP32 G tile
+# since fwd.wu writes kg), so a third pipelining stage is cheap in registers: BV 32 at 4 warps and
+# 3 stages joins the old space (its first three entries, the first one the interpreter's).
+# Offline sm_90 it is spill-free at K=64, 128 and 256 (122 registers at 128); BV 64 at 3 stages
+# needs 249 KB of shared memory at 256 and 2 warps spill (docs/perf/pkda.md).
+H_SPACE = [({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2), ({"BV": 32}, 4, 3)]
+
+
+@triton.autotune(configs=_configs(H_SPACE), key=["H", "K", "V"])
 @triton.jit
 def pkda_fwd_h_kernel(w, u, p, G, kg, h0, h, delta, ht, cu, chunk_offsets, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,

@@ -293,6 +293,50 @@ def test_v_and_g_gradients_come_in_their_inputs_dtypes():
 
 
 # --------------------------------------------------------------------------- the public op
+@pytest.mark.parametrize("B,T,H,K,V,cu", [(1, 100, 2, 64, 128, None),
+                                          (1, 100, 1, 128, 64, [0, 33, 100])])
+def test_gated_operands_from_wu_give_the_state_passes_bitwise(B, T, H, K, V, cu):
+    """fwd_wu's kg_out / qg_out (the state passes' gated operands, written once beside W) give
+    fwd_h and bwd_dhu exactly what those compute when they form the operands themselves, and
+    are P*exp(G_last - G) and scale*Q*exp(G) chunk by chunk."""
+    from kernels.pkda import fwd
+    d = make(B, T, H, K, V, cu)
+    sv = saved_from_reference(d)
+    lay = bwd._layout(B, T, d["cu"], "cpu")
+    kg, qg = torch.empty_like(d["k"]), torch.empty_like(d["q"])
+    W, U = fwd.fwd_wu(d["k"], d["v"], sv["G"], d["beta"], sv["Tinv"], lay, p=sv["p"], kg_out=kg,
+                      q=d["q"], scale=d["scale"], qg_out=qg)
+    W0, U0 = fwd.fwd_wu(d["k"], d["v"], sv["G"], d["beta"], sv["Tinv"], lay)
+    assert torch.equal(W, W0) and torch.equal(U, U0)
+    # the forward asks for kg alone (a grid with the gated group, no qg): the same kg
+    kg1 = torch.empty_like(kg)
+    fwd.fwd_wu(d["k"], d["v"], sv["G"], d["beta"], sv["Tinv"], lay, p=sv["p"], kg_out=kg1)
+    assert torch.equal(kg1, kg)
+    got = fwd.fwd_h(W, U, sv["p"], sv["G"], lay, d["initial_state"], True, kg=kg)
+    want = fwd.fwd_h(W, U, sv["p"], sv["G"], lay, d["initial_state"], True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _, dv_loc = bwd.bwd_dAv(d["do"], sv["Delta"], sv["Aqk"], d["scale"], lay)
+    args = (d["q"], sv["p"], sv["G"], W, d["do"], dv_loc, d["dht"], d["scale"], lay)
+    got, want = bwd.bwd_dhu(*args, kg=kg, qg=qg), bwd.bwd_dhu(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the operands against their definition, chunk by chunk of each sequence
+    bounds = [0, T] if cu is None else cu
+    for s0, s1 in zip(bounds[:-1], bounds[1:]):
+        for c0 in range(s0, s1, 64):
+            c1 = min(c0 + 64, s1)
+            G = sv["G"][:, c0:c1]
+            want_kg = sv["p"][:, c0:c1] * torch.exp(G[:, -1:] - G)
+            assert torch.allclose(kg[:, c0:c1], want_kg, rtol=1e-6, atol=0)
+            assert torch.allclose(qg[:, c0:c1], d["q"][:, c0:c1] * torch.exp(G) * d["scale"],
+                                  rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="kg and qg come together"):
+        bwd.bwd_dhu(*args, kg=kg)
+    with pytest.raises(ValueError, match="kg_out needs p"):
+        fwd.fwd_wu(d["k"], d["v"], sv["G"], d["beta"], sv["Tinv"], lay, kg_out=kg)
+    with pytest.raises(ValueError, match="kg must be a contiguous"):
+        fwd.fwd_h(W, U, sv["p"], sv["G"], lay, kg=kg.double())
+
+
 @pytest.mark.parametrize("onchip", ["0", "1"])
 def test_op_gradients_match_naive_fp64(onchip, monkeypatch):
     """Through torch.autograd on the public op, with either dAqk schedule."""

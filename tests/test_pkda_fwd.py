@@ -327,6 +327,8 @@ def test_stage_wu_varlen_and_grid():
     W2, U2 = F_.fwd_wu(kn, d["v"], ra["G"], d["beta"], Tinv, lay)
     assert rel(W2, W) < 1e-6 and rel(U2, U) < 1e-6
     assert F_.grid_wu(10 ** 6, 64, 128, 256, 64) == (10 ** 6 * 64 * 6, 1, 1)
+    # the gated operands' programs: one more group of K tiles
+    assert F_.grid_wu(10 ** 6, 64, 128, 256, 64, gated=True) == (10 ** 6 * 64 * 8, 1, 1)
     with pytest.raises(ValueError, match="exceeds CUDA limits"):
         F_.grid_wu(2 ** 28, 4, 128, 128, 64)
 

@@ -77,6 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fwd import gated_k, gated_q
 from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
@@ -197,10 +198,10 @@ def pkda_bwd_dAv_kernel(do, Delta, Aqk, dAqk, dv_loc, chunks, scale,
 # =============================================================================================
 @triton.autotune(configs=_configs([(4, 1), (8, 1)]), key=["H", "K", "V", "DT"])
 @triton.jit
-def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off, scale,
-                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def pkda_bwd_dhu_kernel(q, p, G, kg, qg, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, chunk_off,
+                        scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                         BK: tl.constexpr, BV: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
-                        USE_DHT: tl.constexpr):
+                        USE_DHT: tl.constexpr, PRE_GATED: tl.constexpr):
     i_nh, i_v = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos = tl.load(cu + i_n).to(tl.int64)
@@ -229,19 +230,23 @@ def pkda_bwd_dhu_kernel(q, p, G, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu, ch
         m_tv = m_t[:, None] & m_v[None, :]
         p_tk = (rows[:, None] * H + i_h) * K + o_k[None, :]
         p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
-        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
         b_Gl = tl.load(G + ((cbos + L - 1) * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
-        b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_kg = tl.where(m_tk, b_p * tl.exp(b_Gl[None, :] - b_G), 0.)
+        if PRE_GATED:  # written by fwd.wu in the recompute: the same values, rounded the same way
+            b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.)
+            b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.)
+        else:
+            b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_kg = gated_k(b_p, b_G, b_Gl, m_tk).to(DT)
+            b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+            b_qg = gated_q(b_q, b_G, scale, m_tk).to(DT)
         b_dD = (tl.load(dv_loc + p_tv, mask=m_tv, other=0.)
-                + tl.dot(b_kg.to(DT), b_dE.to(DT), input_precision=PREC))
+                + tl.dot(b_kg, b_dE.to(DT), input_precision=PREC))
         tl.store(dDelta + p_tv, b_dD.to(dDelta.dtype.element_ty), mask=m_tv)
-        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
-        b_qg = tl.where(m_tk, b_q * tl.exp(b_G) * scale, 0.)
         b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
         b_do = tl.load(do + p_tv, mask=m_tv, other=0.)
         b_dE = (b_dE * tl.exp(b_Gl)[:, None]
-                + tl.dot(tl.trans(b_qg).to(DT), b_do.to(DT), input_precision=PREC)
+                + tl.dot(tl.trans(b_qg), b_do.to(DT), input_precision=PREC)
                 - tl.dot(tl.trans(b_w).to(DT), b_dD.to(DT), input_precision=PREC))
     tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
 
@@ -800,24 +805,33 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
     return (dAqk if write_dA else None), dv_loc
 
 
-def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay):
+def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay, kg=None, qg=None):
     """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V]) in q's dtype and dS0 [N,H,K,V]
     in FP32. The kernel carries dE in FP32 across chunks; what it stores is read by
     bwd.wy_dqkg as tl.dot operands (cast to q's dtype there anyway) and, for dE, in dG's
     last-row term sum_v h dE (h is stored in q's dtype too): half the bytes of FP32 at bf16,
-    both written once and read up to 1 + K/64 times."""
+    both written once and read up to 1 + K/64 times.
+    kg, qg: the gated operands fwd_wu(kg_out=, qg_out=) wrote (then p and q are not read; G
+    only at each chunk's last row), else formed here from p, q and G."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     dE_all = q.new_empty((lay.NT, H, K, V))
     dDelta = _new(do.shape, do, lay.covered, dtype=q.dtype)
     dS0 = q.new_empty((lay.N, H, K, V), dtype=torch.float32)
+    if (kg is None) != (qg is None):
+        raise ValueError("bwd_dhu: kg and qg come together (fwd_wu's kg_out and qg_out)")
+    for name, t in (("kg", kg), ("qg", qg)):
+        if t is not None and (t.shape != q.shape or t.dtype != q.dtype or not t.is_contiguous()):
+            raise ValueError(f"bwd_dhu: {name} must be a contiguous {tuple(q.shape)} {q.dtype} "
+                             f"tensor, got {tuple(t.shape)} {t.dtype}")
     BK = triton.next_power_of_2(K)
     BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
     if lay.N:
         pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
-            q, p, G, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta, dS0,
-            lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
-            DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None)
+            q, p, G, kg, qg, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta,
+            dS0, lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,
+            DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None,
+            PRE_GATED=kg is not None)
     return dE_all, dDelta, dS0
 
 
@@ -909,13 +923,16 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
     from . import fwd
     p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
                              store_a=True)
+    # the state passes' gated operands (fwd_h, bwd_dhu), written beside W
+    gated = dict(kg_out=torch.empty_like(k), qg_out=torch.empty_like(q))
     if all(saved.get(n) is not None for n in KEPT_BY_DEFAULT):
         Aqk, Tinv = saved["Aqk"], saved["Tinv"]
-        W, U = fwd.fwd_wu(k, v, G, beta, Tinv, lay)
+        W, U = fwd.fwd_wu(k, v, G, beta, Tinv, lay, p=p, q=q, scale=scale, **gated)
     else:
-        Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay)
-    h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state)
-    return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta)
+        Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay, **gated)
+    h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state, kg=gated["kg_out"])
+    return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta,
+                kg=gated["kg_out"], qg=gated["qg_out"])
 
 
 # ---------------------------------------------------------------------------- the dAqk seam
@@ -993,11 +1010,15 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
 
     with stage_range("pkda.bwd.recompute"):
         rc = bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, S0, a0, lay, saved)
+    # dhu's operands only (absent when the forward kept everything): freed after it
+    kg, qg = rc.pop("kg", None), rc.pop("qg", None)
     ctx = dict(rc, q=q, k=k, beta=beta, do=do, scale=scale, lay=lay)
     with stage_range("pkda.bwd.dAv"):
         dv_loc = produce(ctx)
     with stage_range("pkda.bwd.dhu"):
-        dE_all, dDelta, dS0 = bwd_dhu(q, rc["p"], rc["G"], rc["W"], do, dv_loc, dht, scale, lay)
+        dE_all, dDelta, dS0 = bwd_dhu(q, rc["p"], rc["G"], rc["W"], do, dv_loc, dht, scale, lay,
+                                      kg=kg, qg=qg)
+    del kg, qg
     with stage_range("pkda.bwd.wy_dqkg"):
         grads = bwd_wy_dqkg(q, k, v, rc["p"], rc["G"], beta, rc["Tinv"], rc["h"], dE_all,
                             rc["Delta"], dDelta, do, scale, lay)

@@ -16,12 +16,15 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
         -> (p [B,T,H,K] k.dtype, G [B,T,H,K] fp32, a [B,T,H,K] fp32 | None,
             a_final [N,H,K] fp32 | None)
         k already L2-normalised; G = chunk-local inclusive cumsum of g.
-    fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False)
+    fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False, kg_out=None, qg_out=None)
         -> (Aqk [B,T,H,64] fp32, Tinv [B,T,H,64] fp32, W [B,T,H,K] k.dtype,
             U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
         Aqk inclusive and scaled; Tinv = (I + Akk)^-1; Akk strict and beta-scaled.
-    fwd_wu(k, v, G, beta, Tinv, layout) -> (W, U) as fwd_intra's, from a kept Tinv
-    fwd_h(W, U, p, G, layout, initial_state=None, output_final_state=False, store_h=True)
+    fwd_wu(k, v, G, beta, Tinv, layout, p=None, kg_out=None, q=None, scale=None, qg_out=None)
+        -> (W, U) as fwd_intra's, from a kept Tinv; with kg_out / qg_out also the state
+        passes' gated operands P*exp(G_last - G) and scale*Q*exp(G) (gated_k, gated_q)
+    fwd_h(W, U, p, G, layout, initial_state=None, output_final_state=False, store_h=True,
+          kg=None)
         -> (h [NT,H,K,V] k.dtype | None, Delta [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None)
     fwd_o(q, G, h, Aqk, Delta, scale, layout) -> o [B,T,H,V] v.dtype
     pkda_fwd(...)  all of the above in order, see its docstring.
@@ -560,8 +563,10 @@ def grid_intra_a(NT, H):
     return _check_grid((NT * H * (BT // BC), 1, 1))
 
 
-def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
-    """Stage fwd.intra. q, k L2-normalised [B,T,H,K]; p from fwd_atk (k.dtype); G fp32."""
+def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False, kg_out=None,
+              qg_out=None):
+    """Stage fwd.intra. q, k L2-normalised [B,T,H,K]; p from fwd_atk (k.dtype); G fp32.
+    kg_out / qg_out: as fwd_wu's (the gated operands of the state passes, written beside W)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     _check_dims(K, V)
@@ -579,8 +584,23 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
             PREC32=_dot_prec(k.dtype) if DIAG_PREC is None else DIAG_PREC)
         pkda_fwd_solve_kernel[grid_intra(layout.NT, H)](Akk, Tinv, layout.cu, layout.chunk_indices, H,
                                                         BT=BT, BC=BC)
-    W, U = fwd_wu(k, v, G, beta, Tinv, layout)
+    W, U = fwd_wu(k, v, G, beta, Tinv, layout, p=p, kg_out=kg_out, q=q, scale=scale,
+                  qg_out=qg_out)
     return Aqk, Tinv, W, U, (Akk if store_akk else None)
+
+
+@triton.jit
+def gated_k(b_p, b_G, b_gl, m):
+    """P * exp(G_last - G) on a chunk's [rows, K] tile, 0 where m is False (rows past the chunk's
+    end): the keys the state passes multiply into the state (fwd.h) and its gradient (bwd.dhu).
+    fp32 in, fp32 out; written once by fwd.wu (kg_out) or formed in those kernels."""
+    return tl.where(m, b_p * tl.exp(tl.where(m, b_gl[None, :] - b_G, 0.)), 0.)
+
+
+@triton.jit
+def gated_q(b_q, b_G, scale, m):
+    """scale * Q * exp(G) on a chunk's [rows, K] tile, 0 where m is False: bwd.dhu's queries."""
+    return tl.where(m, b_q * tl.exp(b_G) * scale, 0.)
 
 
 # W and U again from a kept Tinv: what the backward's recompute needs of fwd.intra once the
@@ -589,48 +609,81 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False):
 # (docs/perf/pkda.md); W = Tinv X and U = Tinv Y are two plain GEMMs per chunk.
 @triton.autotune(configs=_configs([({}, 4, 1), ({}, 8, 1)]), key=["H", "K", "V"])
 @triton.jit
-def pkda_fwd_wu_kernel(k, v, G, beta, Tinv, W, U, cu, chunk_indices, H, K: tl.constexpr,
-                       V: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, PREC: tl.constexpr):
+def pkda_fwd_wu_kernel(k, v, G, beta, Tinv, W, U, p, q, KG, QG, cu, chunk_indices, scale, H,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                       PREC: tl.constexpr, STORE_KG: tl.constexpr, STORE_QG: tl.constexpr):
     # one program per (chunk, head, 64-wide tile of W's K columns or U's V columns):
-    # W = Tinv (beta K*exp(G)), U = Tinv (beta V), the operands rounded as fwd.intra rounds them
+    # W = Tinv (beta K*exp(G)), U = Tinv (beta V), the operands rounded as fwd.intra rounds them.
+    # When the state passes' gated operands are asked for (KG, QG in k's and q's dtypes, rounded as
+    # fwd.h and bwd.dhu round them for their dots), a third group of programs, one per 64-wide tile
+    # of K columns, writes them. They are not appended to the W programs: done there, after W's dot
+    # (pkda/state-kg), wu's two launches of a fwd+bwd call went from 0.166 to 0.253 ms on the H100,
+    # far more than their ~30 us of extra bytes; the W programs' work grew to about 2-3x the U
+    # programs', and every program of the kernel took the W branch's registers (offline sm_90 at
+    # B4_T2048_H16_D128, 4 warps: 79 -> 125 without qg, 154 with it; 6 -> 4 and 3 blocks an SM). A
+    # gated program moves about what a W program moves (in the recompute G's FP32 tile, p and q in,
+    # kg and qg out: 48 KB a tile at bf16 against Tinv, k, G in and W out; the forward's, kg alone,
+    # 32 KB) with no Tinv load and no dot, and it follows its chunk's W and U programs in the launch
+    # order, so its second read of G's tile mostly finds it in L2.
     NK: tl.constexpr = K // BD
     NV: tl.constexpr = V // BD
+    NG: tl.constexpr = NK if (STORE_KG or STORE_QG) else 0
     DT: tl.constexpr = k.dtype.element_ty
     pid = tl.program_id(0)
-    i_d = pid % (NK + NV)
-    i_ch = pid // (NK + NV)
+    i_d = pid % (NK + NV + NG)
+    i_ch = pid // (NK + NV + NG)
     i_h = i_ch % H
     i_c = i_ch // H
     _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
     o_t = tl.arange(0, BT)
     m_t = o_t < Lc
     rows = (T0 + o_t) * H + i_h
-    b_T = tl.load(Tinv + rows[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.).to(DT)
-    b_b = tl.load(beta + rows, mask=m_t, other=0.).to(tl.float32)
-    if i_d < NK:
-        o_k = i_d * BD + tl.arange(0, BD)
-        off = rows[:, None] * K + o_k[None, :]
-        b_k = tl.load(k + off, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_G = tl.load(G + off, mask=m_t[:, None], other=0.)
-        b_x = (b_b[:, None] * b_k * tl.exp(b_G)).to(DT)
-        b_w = tl.dot(b_T, b_x, input_precision=PREC)
-        tl.store(W + off, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
+    if i_d < NK + NV:
+        b_T = tl.load(Tinv + rows[:, None] * BT + o_t[None, :], mask=m_t[:, None], other=0.).to(DT)
+        b_b = tl.load(beta + rows, mask=m_t, other=0.).to(tl.float32)
+        if i_d < NK:
+            o_k = i_d * BD + tl.arange(0, BD)
+            off = rows[:, None] * K + o_k[None, :]
+            b_k = tl.load(k + off, mask=m_t[:, None], other=0.).to(tl.float32)
+            b_G = tl.load(G + off, mask=m_t[:, None], other=0.)
+            b_x = (b_b[:, None] * b_k * tl.exp(b_G)).to(DT)
+            b_w = tl.dot(b_T, b_x, input_precision=PREC)
+            tl.store(W + off, b_w.to(W.dtype.element_ty), mask=m_t[:, None])
+        else:
+            o_v = (i_d - NK) * BD + tl.arange(0, BD)
+            off = rows[:, None] * V + o_v[None, :]
+            b_y = (b_b[:, None] * tl.load(v + off, mask=m_t[:, None], other=0.).to(tl.float32)).to(DT)
+            b_u = tl.dot(b_T, b_y, input_precision=PREC)
+            tl.store(U + off, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
     else:
-        o_v = (i_d - NK) * BD + tl.arange(0, BD)
-        off = rows[:, None] * V + o_v[None, :]
-        b_y = (b_b[:, None] * tl.load(v + off, mask=m_t[:, None], other=0.).to(tl.float32)).to(DT)
-        b_u = tl.dot(b_T, b_y, input_precision=PREC)
-        tl.store(U + off, b_u.to(U.dtype.element_ty), mask=m_t[:, None])
+        # gated_k / gated_q: the very helpers fwd.h and bwd.dhu call when they form the operands
+        # themselves, on the same loads (masked rows as 0), so the stored tiles are bitwise theirs
+        o_k = (i_d - NK - NV) * BD + tl.arange(0, BD)
+        off = rows[:, None] * K + o_k[None, :]
+        b_G = tl.load(G + off, mask=m_t[:, None], other=0.)
+        if STORE_KG:
+            b_gl = tl.load(G + ((T0 + Lc - 1) * H + i_h) * K + o_k)
+            b_p = tl.load(p + off, mask=m_t[:, None], other=0.).to(tl.float32)
+            tl.store(KG + off, gated_k(b_p, b_G, b_gl, m_t[:, None]).to(KG.dtype.element_ty),
+                     mask=m_t[:, None])
+        if STORE_QG:
+            b_q = tl.load(q + off, mask=m_t[:, None], other=0.).to(tl.float32)
+            tl.store(QG + off, gated_q(b_q, b_G, scale, m_t[:, None]).to(QG.dtype.element_ty),
+                     mask=m_t[:, None])
 
 
-def grid_wu(NT, H, K, V, BD):
-    return _check_grid((NT * H * (K // BD + V // BD), 1, 1))
+def grid_wu(NT, H, K, V, BD, gated=False):
+    return _check_grid((NT * H * (K // BD + V // BD + (K // BD if gated else 0)), 1, 1))
 
 
-def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout):
+def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout, p=None, kg_out=None, q=None, scale=None,
+           qg_out=None):
     """W [B,T,H,K] k.dtype and U [B,T,H,V] (v cast to k.dtype) from a kept Tinv: the W and U
     of fwd_intra without its Akk, Aqk and solve (the backward's recompute, when the forward
-    kept Aqk and Tinv). k L2-normalised; G fp32 from fwd_atk."""
+    kept Aqk and Tinv). k L2-normalised; G fp32 from fwd_atk.
+    With kg_out (and p), also writes the gated keys P*exp(G_last - G) into kg_out [B,T,H,K]
+    k.dtype; with qg_out (and q, scale), scale*Q*exp(G) into qg_out [B,T,H,K] q.dtype: the
+    operands fwd_h(kg=) and bwd_dhu(kg=, qg=) read instead of forming them."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     _check_dims(K, V)
@@ -639,11 +692,22 @@ def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout):
         v = v.to(k.dtype)
     W = torch.empty_like(k)
     U = torch.empty_like(v)
+    for name, out, src, like in (("kg_out", kg_out, p, k), ("qg_out", qg_out, q, q)):
+        if out is not None:
+            if src is None or (name == "qg_out" and scale is None):
+                raise ValueError(f"fwd_wu: {name} needs {'p' if name == 'kg_out' else 'q and scale'}")
+            if out.shape != k.shape or out.dtype != like.dtype or not out.is_contiguous():
+                raise ValueError(f"fwd_wu: {name} must be a contiguous {tuple(k.shape)} "
+                                 f"{like.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    p = p.contiguous() if kg_out is not None else None
+    q = q.contiguous() if qg_out is not None else None
     if layout.NT:
         BD = 64
-        pkda_fwd_wu_kernel[grid_wu(layout.NT, H, K, V, BD)](
-            k, v, G, beta, Tinv, W, U, layout.cu, layout.chunk_indices, H, K=K, V=V, BT=BT,
-            BD=BD, PREC=_dot_prec(k.dtype))
+        gated = kg_out is not None or qg_out is not None
+        pkda_fwd_wu_kernel[grid_wu(layout.NT, H, K, V, BD, gated)](
+            k, v, G, beta, Tinv, W, U, p, q, kg_out, qg_out, layout.cu, layout.chunk_indices,
+            float(scale or 1.), H, K=K, V=V, BT=BT, BD=BD, PREC=_dot_prec(k.dtype),
+            STORE_KG=kg_out is not None, STORE_QG=qg_out is not None)
     return W, U
 
 
@@ -651,10 +715,10 @@ def fwd_wu(k, v, G, beta, Tinv, layout: ChunkLayout):
 @triton.autotune(configs=_configs([({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2)]),
                  key=["H", "K", "V"])
 @triton.jit
-def pkda_fwd_h_kernel(w, u, p, G, h0, h, delta, ht, cu, chunk_offsets, H,
+def pkda_fwd_h_kernel(w, u, p, G, kg, h0, h, delta, ht, cu, chunk_offsets, H,
                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
                       HAS_H0: tl.constexpr, STORE_H: tl.constexpr, STORE_FINAL: tl.constexpr,
-                      PREC: tl.constexpr):
+                      PREC: tl.constexpr, PRE_KG: tl.constexpr):
     # one program per (sequence, head, V block), looping over the sequence's chunks:
     # Delta = U - W S;  S <- diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta
     NV: tl.constexpr = V // BV
@@ -691,31 +755,38 @@ def pkda_fwd_h_kernel(w, u, p, G, h0, h, delta, ht, cu, chunk_offsets, H,
         tl.store(delta + rv, b_d.to(delta.dtype.element_ty), mask=m_t[:, None])
         last = bos + i_t * BT + tl.minimum(L - i_t * BT, BT) - 1
         b_gl = tl.load(G + (last * H + i_h) * K + o_k)
-        b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
-        b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
-        b_kg = tl.where(m_t[:, None], b_p * tl.exp(tl.where(m_t[:, None], b_gl[None, :] - b_G, 0.)), 0.)
-        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg.to(DT)), b_d.to(DT), input_precision=PREC)
+        if PRE_KG:  # written by fwd.wu: the same values, rounded the same way
+            b_kg = tl.load(kg + rk, mask=m_t[:, None], other=0.)
+        else:
+            b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
+            b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
+            b_kg = gated_k(b_p, b_G, b_gl, m_t[:, None]).to(DT)
+        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_d.to(DT), input_precision=PREC)
     if STORE_FINAL:
         tl.store(ht + st + kv, b_S)
 
 
 def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_state=False,
-          store_h=True):
+          store_h=True, kg=None):
     """Stage fwd.h. Returns (h [NT,H,K,V] in W.dtype or None, Delta [B,T,H,V] in U.dtype,
-    S_final [N,H,K,V] fp32 or None). No state tensor is allocated unless asked."""
+    S_final [N,H,K,V] fp32 or None). No state tensor is allocated unless asked. kg: the gated
+    keys fwd_wu(kg_out=) wrote (then p is not read), else formed here from p and G."""
     B, T, H, K = W.shape
     V = U.shape[-1]
     _check_dims(K, V)
     W, U, p, G = (t.contiguous() for t in (W, U, p, G))
+    if kg is not None and (kg.shape != W.shape or kg.dtype != W.dtype or not kg.is_contiguous()):
+        raise ValueError(f"fwd_h: kg must be a contiguous {tuple(W.shape)} {W.dtype} tensor "
+                         f"(fwd_wu's kg_out), got {tuple(kg.shape)} {kg.dtype}")
     h = torch.empty(layout.NT, H, K, V, dtype=W.dtype, device=W.device) if store_h else None
     Delta = torch.empty_like(U)
     ht = torch.empty(layout.N, H, K, V, dtype=torch.float32, device=W.device) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     if layout.N:
         pkda_fwd_h_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
-            W, U, p, G, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
+            W, U, p, G, kg, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
             K=K, V=V, BT=BT, HAS_H0=h0 is not None, STORE_H=store_h,
-            STORE_FINAL=output_final_state, PREC=_dot_prec(W.dtype))
+            STORE_FINAL=output_final_state, PREC=_dot_prec(W.dtype), PRE_KG=kg is not None)
     return h, Delta, ht
 
 
@@ -803,9 +874,11 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
                                  x, eps, output_final_state=output_final_state,
                                  store_a=keep_intermediates)
     with stage_range("pkda.fwd.intra"):
-        Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout)
+        kg = torch.empty_like(k_n)  # fwd.h's gated keys, written beside W
+        Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout, kg_out=kg)
     with stage_range("pkda.fwd.h"):
-        h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state)
+        h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state, kg=kg)
+    del kg
     with stage_range("pkda.fwd.o"):
         o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
     saved = None

@@ -333,6 +333,33 @@ def test_stage_wu_varlen_and_grid():
         F_.grid_wu(2 ** 28, 4, 128, 128, 64)
 
 
+@pytest.mark.parametrize("cu", [None, [0, 37, 37, 150]], ids=["dense_T100", "varlen"])
+def test_stage_intra_writes_every_element(monkeypatch, cu):
+    """Aqk and Tinv come from torch.empty when every token is in a sequence: the kernels must
+    write each element, zeros right of the diagonal blocks included. Fresh buffers read NaN
+    here, so any element left unwritten shows in the comparison with the reference."""
+    B, T, H, K, V = (1, 100, 2, 64, 64) if cu is None else (1, 150, 2, 64, 64)
+    cu_t = None if cu is None else torch.tensor(cu)
+    d = make(B, T, H, K, V, seed=12)
+    lay = R.make_layout(B, T, cu_t, "cpu")
+    assert lay.covered
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    Aqk, Tinv, W, U, _ = F_.fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay)
+    monkeypatch.undo()
+    ref = R.ref_fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay)
+    for t, name in ((Aqk, "Aqk"), (Tinv, "Tinv"), (W, "W"), (U, "U")):
+        assert torch.isfinite(t).all(), name
+        assert rel(t, ref[name]) < 1e-5, name
+
+
 def test_stage_intra_strong_gates_exact_path():
     """Gates strong enough that the diagonal blocks' middle-reference bound is exceeded:
     the kernel falls back to the exact element-wise path; still matches the reference."""

@@ -328,6 +328,19 @@ def _store_blk(ptr, blk, T0, Lc, H, i_h, si, sj, BT: tl.constexpr, BC: tl.conste
 
 
 @triton.jit
+def _store_upper_zeros(ptr, T0, Lc, H, i_h, i_s, BT: tl.constexpr, BC: tl.constexpr):
+    """Zeros in the blocks right of the diagonal of sub-chunk row i_s of a [Ttot,H,BT] tensor:
+    Aqk and Tinv are read whole (fwd.o, fwd_wu, the backward), so the kernels write their upper
+    blocks instead of the host filling both tensors with zeros first (two 32 MB fills at the
+    public row)."""
+    rows = i_s * BC + tl.arange(0, BC)
+    cols = tl.arange(0, BT)
+    ptrs = ptr + ((T0 + rows) * H + i_h)[:, None] * BT + cols[None, :]
+    mask = (rows < Lc)[:, None] & (cols >= (i_s + 1) * BC)[None, :]
+    tl.store(ptrs, tl.zeros([BC, BT], dtype=ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _intra_rows(q, k, G, beta, T0, Lc, H, i_h, si: tl.constexpr, K: tl.constexpr,
                 BC: tl.constexpr, DT: tl.constexpr):
     """Row operands of sub-chunk si for its off-diagonal blocks, reference point G_ref = G at
@@ -492,7 +505,8 @@ def pkda_fwd_intra_a_kernel(q, k, p, G, beta, Aqk, Akk, cu, chunk_indices, scale
     i_h = i_ch % H
     i_c = i_ch // H
     _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
-    # a sub-chunk past a partial chunk's end has no rows: its blocks stay as allocated (zeros)
+    # a sub-chunk past a partial chunk's end has no rows (the masks store nothing there)
+    _store_upper_zeros(Aqk, T0, Lc, H, i_h, i_s, BT, BC)
     if i_s == 0:
         A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
         _store_blk(Akk, A, T0, Lc, H, i_h, 0, 0, BT, BC)
@@ -557,6 +571,8 @@ def pkda_fwd_solve_kernel(Akk, Tinv, cu, chunk_indices, H, BT: tl.constexpr, BC:
     _store_blk(Tinv, T31, T0, Lc, H, i_h, 3, 1, BT, BC)
     _store_blk(Tinv, T32, T0, Lc, H, i_h, 3, 2, BT, BC)
     _store_blk(Tinv, D3, T0, Lc, H, i_h, 3, 3, BT, BC)
+    for i_s in tl.static_range(3):
+        _store_upper_zeros(Tinv, T0, Lc, H, i_h, i_s, BT, BC)
 
 
 def grid_intra_a(NT, H):
@@ -572,10 +588,16 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False, 
     _check_dims(K, V)
     q, k, p, G, beta = (t.contiguous() for t in (q, k, p, G, beta))
     f32 = dict(dtype=torch.float32, device=k.device)
-    # Aqk and Tinv are read whole (fwd.o, fwd_wu): their upper blocks must be zeros; Akk is read
-    # only by the solve, below the diagonal and above the chunk's end
-    Aqk = torch.zeros(B, T, H, BT, **f32)
-    Tinv = torch.zeros(B, T, H, BT, **f32)
+    # Aqk and Tinv are read whole (fwd.o, fwd_wu): the kernels write every row of every chunk,
+    # zeros right of the diagonal blocks; tokens outside every sequence (an uncovered varlen
+    # tail) are no chunk's, so only then the host zeros them. Both are stored in k's dtype:
+    # every reader (fwd.o, fwd_wu, bwd.dAv, bwd.wy_dqkg) rounds them to it before its dot, so
+    # rounding once at the store gives the same operands in half the bytes (the op keeps both
+    # for the backward). Akk stays FP32: the solve reads it below the diagonal and above the
+    # chunk's end
+    alloc = torch.empty if layout.covered else torch.zeros
+    Aqk = alloc(B, T, H, BT, dtype=k.dtype, device=k.device)
+    Tinv = alloc(B, T, H, BT, dtype=k.dtype, device=k.device)
     Akk = (torch.zeros if store_akk else torch.empty)(B, T, H, BT, **f32)
     if layout.NT:
         pkda_fwd_intra_a_kernel[grid_intra_a(layout.NT, H)](

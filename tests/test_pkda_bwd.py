@@ -275,6 +275,43 @@ def test_triton_stages_match_reference_stages(B, T, H, K, V, cu):
         assert rel(at[m], S[m]) < tol, m
 
 
+@pytest.mark.parametrize("with_ends", [True, False])
+def test_atk_backward_carries_across_chunks_and_sequences(with_ends):
+    """bwd.atk runs chunks in parallel and chains only the [K] carry between them: against the
+    reference's token-by-token reverse scan, over sequences of 0, 1, 200 (4 chunks, a partial
+    last one) and 130 tokens, with and without da at the end (dat) and a_0."""
+    cu = [0, 0, 1, 201, 331]
+    d = make(1, 331, 2, 64, 64, cu, states=with_ends, dfin=with_ends, seed=3)
+    lay = bwd._layout(1, 331, d["cu"], "cpu")
+    c = d["log_atk_scale"]
+    at_f = R.ref_fwd_atk(d["k"], d["g"], d["g_atk"], d["beta_atk"], c, lay, d["initial_A_state"],
+                         x=X, eps=EPS, compute_dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    dp = torch.randn(1, 331, 2, 64, generator=gen, dtype=torch.float64)
+    dk_in = torch.randn(1, 331, 2, 64, generator=gen, dtype=torch.float64)
+    dk = dk_in.float().contiguous()
+    got = bwd.bwd_atk(d["k"], at_f["a"].float().contiguous(), d["g_atk"], d["beta_atk"], c,
+                      dp.float().contiguous(), dk, d["initial_A_state"], d["dat"], X, EPS, lay)
+    tr = lambda t, s, e: t[0, s:e].transpose(0, 1).double()  # noqa: E731
+    dc = torch.zeros(2, dtype=torch.float64)
+    for n, (s, e) in enumerate(lay.bounds):
+        a = tr(at_f["a"], s, e)
+        r = torch.log(a + EPS) - c.double()[:, None, None]
+        rc = dict(a=a, r=r, m=torch.exp(-math.log(X) * r / (1 + r.abs())))
+        a0 = d["initial_A_state"][n].double() if with_ends else torch.zeros(2, 64, dtype=torch.float64)
+        ref = RB.atk(tr(d["k"], s, e), tr(d["g_atk"][..., None], s, e)[..., 0],
+                     tr(d["beta_atk"][..., None], s, e)[..., 0], rc, tr(dp, s, e), X, EPS, a0,
+                     d["dat"][n].double() if with_ends else None)
+        dc += ref["dc"]
+        assert torch.allclose(got["da0"][n].double(), ref["da0"], rtol=2e-5, atol=1e-6), n
+        if e == s:
+            continue
+        assert rel(tr(dk, s, e) - tr(dk_in.float(), s, e), ref["dk"]) < 2e-5, n
+        assert rel(got["dg_atk"][0, s:e].T, ref["dg_atk"]) < 2e-5, n
+        assert rel(got["dbeta_atk"][0, s:e].T, ref["dbeta_atk"]) < 2e-5, n
+    assert rel(got["dc"], dc) < 2e-5
+
+
 def test_v_and_g_gradients_come_in_their_inputs_dtypes():
     """The kernels that finish dv and dg store them in v's and g's dtypes (the op's cast to the
     input dtypes is then no copy); the other gradients stay FP32. Values: an FP32 run's within

@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fwd import gated_k, gated_q
+from .fwd import decayed_sum, gated_k, gated_q
 from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
@@ -703,8 +703,11 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
 
 # =============================================================================================
 # bwd.atk: dp -> dk (p = k m(a)), dg_atk, dbeta_atk, dlog_atk_scale, da_0.
-# One program per (sequence, head), reverse over its chunks; in-chunk reverse scan as a
-# [64,64] masked decay matrix (exponents Ga_s - Ga_t <= 0, formed as differences).
+# One program per (sequence, head, K tile), reverse over its chunks; in-chunk, the reverse
+# recurrence as an associative scan over the chunk's rows (fwd.decayed_sum). Measured on an
+# H100 (docs/perf/pkda.md, 2026-12-07): the chunk-parallel form (pkda/atk-bwd-chunks, three
+# launches) was slower at the public row (0.300 -> 0.450 ms with the decay matrix, 0.291 ms with
+# the scan); this kernel keeps one launch and a serial walk of latency ~= its chunks.
 # =============================================================================================
 @triton.jit
 def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba_part, dc_part,
@@ -733,7 +736,6 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
     else:
         b_a0 = tl.zeros([BK], dtype=tl.float32)
     b_dc = tl.zeros([BK], dtype=tl.float32)
-    m_tri = o_t[:, None] <= o_t[None, :]
     for i in range(NT):
         i_t = NT - 1 - i
         cbos = bos + i_t * BT
@@ -754,10 +756,15 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
         b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
         b_Ga = tl.cumsum(b_ga, axis=0)
         b_Gl = tl.sum(b_ga, axis=0)
-        m_M = m_tri & m_t[:, None] & m_t[None, :]
-        b_M = tl.where(m_M, tl.exp(tl.where(m_M, b_Ga[None, :] - b_Ga[:, None], 0.)), 0.)
-        b_da = (tl.dot(b_M, b_dad, input_precision="ieee")
-                + tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :])
+        # in-chunk: da_r = dad_r + exp(ga_(r+1)) da_(r+1), a reverse scan over the rows (each
+        # row carries the decay of the row after it; rows past L hold dad = 0), instead of a
+        # [64, 64] masked decay matrix as an IEEE FMA dot; then the later chunks' carry,
+        # decayed to each row
+        b_dnext = tl.exp(tl.load(g_atk + (rows + 1) * H + i_h, mask=(o_t + 1) < L,
+                                 other=0.).to(tl.float32))
+        _, b_da = tl.associative_scan((tl.broadcast_to(b_dnext[:, None], (BT, BK)), b_dad), 0,
+                                      decayed_sum, reverse=True)
+        b_da += tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :]
         m_prev = m_tk & (rows > bos)[:, None]
         b_ap = tl.load(a + p_tk - H * K, mask=m_prev, other=0.).to(tl.float32)
         b_ap += tl.where((rows == bos)[:, None] & m_k[None, :], b_a0[None, :], 0.)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERIMENT = ROOT / "experiments" / "pkda-aa.yaml"
@@ -152,3 +153,39 @@ def test_integer_and_pointer_specialisation_follows_the_launcher(cache_env):
     assert out[2]["constexprs"]["n"] == "1" and out[2]["signature"]["n"] == "constexpr"
     assert out[0]["signature"]["scale"] == "fp32"
     assert out[0]["config"]["num_stages"] == 3  # Triton's CUDA default when the launch gives none
+
+
+# Hopper's shared memory a block may opt into (227 KB): what Triton's launcher checks before a
+# launch (the "Hardware limit" of its OutOfResources)
+HOPPER_SHARED_PER_BLOCK = 232448
+
+
+@pytest.fixture(scope="module")
+def fp32_d256_run(tmp_path_factory, cache_env):
+    """pkda-aa's experiment with one more fixture shape, K = V = 256, compiled in fp32: the widest
+    head dims at the widest dtype the op takes."""
+    exp = yaml.safe_load(EXPERIMENT.read_text())
+    exp["target"]["repo"] = str(ROOT)
+    exp["target"]["inputs"] = str(EXPERIMENT.parent / exp["target"]["inputs"])
+    exp["fixture_shapes"].append({"name": "dense_K256_V256", "B": 1, "T": 130, "H": 2, "K": 256, "V": 256})
+    path = tmp_path_factory.mktemp("exp") / "pkda-aa-d256.yaml"
+    path.write_text(yaml.safe_dump(exp, sort_keys=False))
+    return kr.measure(path, ["dense_K256_V256"], dtype="float32", env=cache_env, worktree=ROOT)
+
+
+def test_every_kernel_has_a_config_that_fits_hoppers_shared_memory_in_fp32_at_d256(fp32_d256_run):
+    """An autotuner whose every config needs more shared memory than a block may have raises
+    OutOfResources at the launch, on the GPU only (the interpreter has no shared memory): the op
+    did so in fp32 at K = V = 256 on an H100 (2026-12-07, pkda_fwd_h_kernel's two-stage configs at
+    280-297 KB). Each launch variant of each kernel needs one config that fits."""
+    result = fp32_d256_run
+    assert result["errors"] == [] and result["records"]
+    assert all("error" not in r for r in result["records"])
+    smallest: dict[tuple, int] = {}
+    for r in result["records"]:
+        variant = tuple(sorted((k, v) for k, v in r["constexprs"].items() if k not in r["config"]["kwargs"]))
+        key = (r["kernel"], variant)
+        smallest[key] = min(smallest.get(key, r["shared_bytes"]), r["shared_bytes"])
+    too_big = {k: v for k, v in smallest.items() if v > HOPPER_SHARED_PER_BLOCK}
+    assert not too_big, f"no config fits {HOPPER_SHARED_PER_BLOCK} B of shared memory: {too_big}"
+    assert {"pkda_fwd_h_kernel", "pkda_bwd_dhu_kernel", "pkda_bwd_intra_kernel"} <= {k for k, _ in smallest}

@@ -375,3 +375,104 @@ def test_stage_intra_strong_gates_exact_path():
     for t, name in zip(got, ("Aqk", "Tinv", "W", "U", "Akk")):
         assert torch.isfinite(t).all(), name
         assert rel(t, ref[name]) < 1e-5, name
+
+
+# ---------------------------------------------------------------- fwd.intra at K > 128 (K slices)
+def _intra_case(K, seqlens=None, T=150, seed=21, gate=None):
+    """fwd.intra's Triton stage and its reference on the same inputs; `gate(g)` edits the log
+    decays (strong channels) before fwd.atk."""
+    H, V = 2, 64
+    cu = None if seqlens is None else torch.tensor([0, *seqlens]).cumsum(0)
+    T = T if seqlens is None else sum(seqlens)
+    d = make(1, T, H, K, V, seed=seed)
+    if gate is not None:
+        d["g"] = gate(d["g"].clone())
+    lay = R.make_layout(1, T, cu, "cpu")
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    args = (qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay)
+    return F_.fwd_intra(*args, store_akk=True), R.ref_fwd_intra(*args), ra["G"], lay
+
+
+def _assert_intra_matches(got, ref, lay, tol=1e-5):
+    for t, name in zip(got, ("Aqk", "Tinv", "W", "U", "Akk")):
+        assert torch.isfinite(t).all(), name
+        assert rel(t, ref[name]) < tol, name
+    # every sub-chunk row's blocks compared, block by block (a dropped block or slice shows
+    # even where the whole-tensor norm would hide it)
+    Aqk, Akk = got[0].flatten(0, 1), got[4].flatten(0, 1)
+    rA, rQ = ref["Akk"].flatten(0, 1), ref["Aqk"].flatten(0, 1)
+    for _, _, s, L in lay.chunks:
+        for i in range(0, L, 16):
+            for j in range(0, i + 16, 16):
+                r, c = slice(s + i, s + min(i + 16, L)), slice(j, j + 16)
+                for a, b in ((Akk[r, :, c], rA[r, :, c]), (Aqk[r, :, c], rQ[r, :, c])):
+                    assert (a - b).abs().max() <= tol * max(b.abs().max().item(), 1e-3), (s, i, j)
+
+
+def _diag_bound_by_slice(G, lay, BKS):
+    """Per (chunk, sub-chunk, head, slice): the max |G - G_m| over the sub-chunk's rows, G_m at its
+    middle row (the kernel's fast/exact choice for the diagonal block, > 40: exact)."""
+    Gf = G.flatten(0, 1)
+    out = []
+    for _, _, s, L in lay.chunks:
+        for i in range(0, L, 16):
+            rows = Gf[s + i: s + min(i + 16, L)]
+            x = (rows - Gf[s + min(i + 8, L - 1)][None]).abs().amax(0)        # [H, K]
+            out.append(x.unflatten(-1, (-1, BKS)).amax(-1))                    # [H, K // BKS]
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("seqlens", [None, [37, 0, 90, 64, 1]], ids=["dense", "varlen"])
+def test_stage_intra_k256_kslices(seqlens):
+    """K = 256 takes the K-sliced path of pkda_fwd_intra_a_kernel (INTRA_KSLICE channels a
+    step, the row's blocks summed over the slices): dense with a partial chunk, varlen with an
+    empty sequence, a one-token one and a whole chunk; every block against the reference."""
+    got, ref, _, lay = _intra_case(256, seqlens)
+    _assert_intra_matches(got, ref, lay)
+
+
+def test_stage_intra_k160_zero_padded_to_256():
+    """K = 160, as the op runs it: zero channels up to 256 (k, q, p zero, G zero), the sliced
+    path's last slices partly or wholly padding; outputs equal the K = 160 reference."""
+    H, T, K = 2, 100, 160
+    d = make(1, T, H, K, 64, seed=22)
+    lay = R.make_layout(1, T, None, "cpu")
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    ref = R.ref_fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], 0.125, lay)
+    pad = lambda t: F.pad(t, (0, 256 - K))
+    got = F_.fwd_intra(pad(qn), pad(kn), d["v"], pad(ra["p"]), pad(ra["G"]), d["beta"], 0.125, lay,
+                       store_akk=True)
+    assert (got[2][..., K:] == 0).all()
+    got = (got[0], got[1], got[2][..., :K].contiguous(), got[3], got[4])
+    _assert_intra_matches(got, ref, lay)
+
+
+def _strong(channels):
+    def gate(g):
+        g[..., channels] = g[..., channels] * 30
+        # a decay of e^-100 on each sub-chunk's second row: a reference row moved off the
+        # first row of a sub-chunk overflows exp(G - G_ref) there
+        for r in (17, 33, 49):
+            g[:, r::64, :, channels] = -100.
+        return g
+    return gate
+
+
+@pytest.mark.parametrize("strong", ["some", "all"])
+def test_stage_intra_k256_strong_gates_per_slice(strong):
+    """Strong gates in some channels (one slice in the middle of K: its diagonal blocks take the
+    exact path, the other slices the fast one) or in all: still the reference's blocks."""
+    BKS = F_.INTRA_KSLICE
+    ch = slice(96, 128) if strong == "some" else slice(None)
+    got, ref, G, lay = _intra_case(256, [150, 0, 70], gate=_strong(ch))
+    bound = _diag_bound_by_slice(G, lay, BKS)
+    exact = bound > 40.
+    if strong == "some":
+        # the premise: within one sub-chunk, slices on both paths, the first and last fast
+        assert (exact.any(-1) & ~exact.all(-1)).any()
+        assert not exact[..., 0].any() and not exact[..., -1].any()
+    else:
+        assert exact.all(-1).any() and exact.float().mean() > 0.9
+    _assert_intra_matches(got, ref, lay)

@@ -54,6 +54,12 @@ BC = SUB
 # precision of the fp32 dots of fwd.intra's diagonal blocks (None: ieee for fp32 inputs,
 # tf32 for bf16/fp16 inputs)
 DIAG_PREC = None
+# fwd.intra's Akk / Aqk kernel at K > 128: channels a slice (INTRA_KSLICE) and a step of the
+# diagonal's exact path inside a slice (INTRA_KSLICE_BKD); at K <= 128 all K at once, BKD 16.
+# Offline sm_90 at B8_T2048_H32_D256 bf16 (4 / 2 warps, registers, all spill-free): slices of 32
+# with BKD 8: 203 / 246; 64 with BKD 8: 236 / 252; 64 with BKD 16: 248 / 255.
+INTRA_KSLICE = 32
+INTRA_KSLICE_BKD = 8
 
 
 def _configs(space):
@@ -436,6 +442,138 @@ def _intra_diag_exact(q, k, p, G, beta, T0, Lc, H, i_h, scale, si: tl.constexpr,
     return b_Akk, b_Aqk
 
 
+# fwd.intra at K > 128 (K = 256, or a K in (128, 256) zero-padded to 256 by the op): the helpers
+# above hold [BC, K] fp32 tiles of G, k, q, p and their gated products across all K channels at
+# once, which spills on sm_90 at K = 256. _intra_row_kslices builds the same blocks of one sub-chunk
+# row from BKS channels at a time, the row's [BC, BC] blocks (its diagonal block and every
+# off-diagonal block j < si of Akk and Aqk) summed over the slices in fp32. Each channel's
+# contribution is the product the full-K helpers form; only the order of the sum over channels
+# differs.
+@triton.jit
+def _intra_diag_exact_slice(q, k, p, G, T0, Lc, H, i_h, c0, si: tl.constexpr, K: tl.constexpr,
+                            BC: tl.constexpr, BKS: tl.constexpr, BKD: tl.constexpr):
+    # the unscaled diagonal block of channels c0..c0+BKS, exact: exp of the masked difference
+    # G_r - G_j (j <= r, exponent <= 0), a [BC, BC, BKD] broadcast per BKD channels
+    o = tl.arange(0, BC)
+    rows = si * BC + o
+    m_i = rows < Lc
+    base = ((T0 + rows) * H + i_h) * K + c0
+    cm = (o[:, None] >= o[None, :]) & m_i[:, None]
+    b_A = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Q = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_d in range(0, BKS // BKD):
+        ptr = base[:, None] + (i_d * BKD + tl.arange(0, BKD))[None, :]
+        b_G = tl.load(G + ptr, mask=m_i[:, None], other=0.)
+        b_k = tl.load(k + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_q = tl.load(q + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_p = tl.load(p + ptr, mask=m_i[:, None], other=0.).to(tl.float32)
+        b_pe = b_p[None, :, :] * tl.exp(tl.where(cm[:, :, None], b_G[:, None, :] - b_G[None, :, :],
+                                                 float("-inf")))
+        b_A += tl.sum(b_k[:, None, :] * b_pe, 2)
+        b_Q += tl.sum(b_q[:, None, :] * b_pe, 2)
+    return b_A, b_Q
+
+
+@triton.jit
+def _tile_cols(ptr, T0, row0, Lc, H, i_h, c0, K: tl.constexpr, BC: tl.constexpr,
+               BKS: tl.constexpr):
+    """[BC, BKS] fp32: rows row0.. of the chunk, channels c0..c0+BKS of a [Ttot,H,K] tensor."""
+    o = row0 + tl.arange(0, BC)
+    off = ((T0 + o) * H + i_h) * K + c0
+    return tl.load(ptr + off[:, None] + tl.arange(0, BKS)[None, :], mask=(o < Lc)[:, None],
+                   other=0.).to(tl.float32)
+
+
+@triton.jit
+def _intra_offdiag_slice(b_kg, b_qg, b_gr, p, G, T0, Lc, H, i_h, c0, sj: tl.constexpr,
+                         b_A, b_Q, K: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                         DT: tl.constexpr, PREC: tl.constexpr):
+    # block (si, sj < si), channels c0..c0+BKS, added to (b_A, b_Q): the row operands
+    # k*exp(G - G_ref), q*exp(G - G_ref) times p_j*exp(G_ref - G_j), both factors <= 1
+    m_j = (sj * BC + tl.arange(0, BC)) < Lc
+    b_Gj = _tile_cols(G, T0, sj * BC, Lc, H, i_h, c0, K, BC, BKS)
+    b_pj = _tile_cols(p, T0, sj * BC, Lc, H, i_h, c0, K, BC, BKS)
+    b_pg = tl.where(m_j[:, None], b_pj * tl.exp(tl.where(m_j[:, None], b_gr[None, :] - b_Gj, 0.)), 0.)
+    b_pgT = tl.trans(b_pg.to(DT))
+    b_A = tl.dot(b_kg, b_pgT, b_A, input_precision=PREC)
+    b_Q = tl.dot(b_qg, b_pgT, b_Q, input_precision=PREC)
+    return b_A, b_Q
+
+
+@triton.jit
+def _intra_row_kslices(q, k, p, G, beta, Aqk, Akk, T0, Lc, H, i_h, scale, si: tl.constexpr,
+                       K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                       BKD: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                       PREC32: tl.constexpr):
+    # blocks (si, j) for j <= si of Akk and Aqk from BKS channels at a time, stored as the full-K
+    # path stores them (si constexpr: 2 + 2 si accumulators). Diagonal, per slice: the fast path
+    # (reference G_m at the middle row, two fp32 dots) when the slice's max |G - G_m| <= 40, else
+    # the exact path, run for the slices flagged in n_ex by a second loop so that its
+    # [BC, BC, BKD] temporaries do not share registers with the first loop's tiles.
+    # Off-diagonal, per slice: the row operands k*exp(G - G_ref), q*exp(G - G_ref) (G_ref: G at
+    # the first row of si) formed once and used for every j < si.
+    o = tl.arange(0, BC)
+    m_i = (si * BC + o) < Lc
+    r_mid = ((T0 + tl.minimum(si * BC + BC // 2, Lc - 1)) * H + i_h) * K
+    r_ref = ((T0 + tl.minimum(si * BC, Lc - 1)) * H + i_h) * K
+    b_Ad = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Qd = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A0 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Q0 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A1 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Q1 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_A2 = tl.zeros([BC, BC], dtype=tl.float32)
+    b_Q2 = tl.zeros([BC, BC], dtype=tl.float32)
+    n_ex = 0  # bit i_k: slice i_k's diagonal contribution is left to the exact path
+    for i_k in range(0, K // BKS):
+        c0 = i_k * BKS
+        o_k = c0 + tl.arange(0, BKS)
+        b_Gi = _tile_cols(G, T0, si * BC, Lc, H, i_h, c0, K, BC, BKS)
+        b_k = _tile_cols(k, T0, si * BC, Lc, H, i_h, c0, K, BC, BKS)
+        b_q = _tile_cols(q, T0, si * BC, Lc, H, i_h, c0, K, BC, BKS)
+        b_x = tl.where(m_i[:, None], b_Gi - tl.load(G + r_mid + o_k)[None, :], 0.)
+        if tl.max(tl.max(tl.abs(b_x), 1), 0) > 40.:
+            n_ex |= 1 << i_k
+        else:
+            b_e = tl.exp(b_x)
+            b_pgT = tl.trans(_tile_cols(p, T0, si * BC, Lc, H, i_h, c0, K, BC, BKS) * tl.exp(-b_x))
+            b_Ad = tl.dot(b_k * b_e, b_pgT, b_Ad, input_precision=PREC32)
+            b_Qd = tl.dot(b_q * b_e, b_pgT, b_Qd, input_precision=PREC32)
+        if si > 0:
+            b_gr = tl.load(G + r_ref + o_k)
+            b_ei = tl.exp(tl.where(m_i[:, None], b_Gi - b_gr[None, :], 0.))
+            b_kg = (b_k * b_ei).to(DT)
+            b_qg = (b_q * b_ei).to(DT)
+            b_A0, b_Q0 = _intra_offdiag_slice(b_kg, b_qg, b_gr, p, G, T0, Lc, H, i_h, c0, 0,
+                                              b_A0, b_Q0, K, BC, BKS, DT, PREC)
+            if si > 1:
+                b_A1, b_Q1 = _intra_offdiag_slice(b_kg, b_qg, b_gr, p, G, T0, Lc, H, i_h, c0, 1,
+                                                  b_A1, b_Q1, K, BC, BKS, DT, PREC)
+            if si > 2:
+                b_A2, b_Q2 = _intra_offdiag_slice(b_kg, b_qg, b_gr, p, G, T0, Lc, H, i_h, c0, 2,
+                                                  b_A2, b_Q2, K, BC, BKS, DT, PREC)
+    if n_ex != 0:
+        for i_k in range(0, K // BKS):
+            if ((n_ex >> i_k) & 1) != 0:
+                b_A, b_Q = _intra_diag_exact_slice(q, k, p, G, T0, Lc, H, i_h, i_k * BKS, si, K,
+                                                   BC, BKS, BKD)
+                b_Ad += b_A
+                b_Qd += b_Q
+    b_beta = _col(beta, T0, si * BC, Lc, H, i_h, BC)
+    b_Ad = tl.where((o[:, None] > o[None, :]) & m_i[:, None], b_Ad * b_beta[:, None], 0.)
+    b_Qd = tl.where((o[:, None] >= o[None, :]) & m_i[:, None], b_Qd * scale, 0.)
+    _store_blk(Akk, b_Ad, T0, Lc, H, i_h, si, si, BT, BC)
+    _store_blk(Aqk, b_Qd, T0, Lc, H, i_h, si, si, BT, BC)
+    if si > 0:
+        _store_blk(Akk, b_A0 * b_beta[:, None], T0, Lc, H, i_h, si, 0, BT, BC)
+        _store_blk(Aqk, b_Q0 * scale, T0, Lc, H, i_h, si, 0, BT, BC)
+    if si > 1:
+        _store_blk(Akk, b_A1 * b_beta[:, None], T0, Lc, H, i_h, si, 1, BT, BC)
+        _store_blk(Aqk, b_Q1 * scale, T0, Lc, H, i_h, si, 1, BT, BC)
+    if si > 2:
+        _store_blk(Akk, b_A2 * b_beta[:, None], T0, Lc, H, i_h, si, 2, BT, BC)
+        _store_blk(Aqk, b_Q2 * scale, T0, Lc, H, i_h, si, 2, BT, BC)
+
 @triton.jit
 def _inv_unit_lower(A, BC: tl.constexpr):
     """(I + A)^-1 for a strictly lower [BC,BC] A, by forward substitution row by row."""
@@ -507,8 +645,9 @@ def _block_inverse(A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, BC: tl.cons
 @triton.jit
 def pkda_fwd_intra_a_kernel(q, k, p, G, beta, Aqk, Akk, cu, chunk_indices, scale, H,
                             K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
-                            PREC: tl.constexpr, PREC32: tl.constexpr):
-    # one program per (chunk, head, sub-chunk row i): blocks (i, j) for j <= i of Akk and Aqk
+                            PREC: tl.constexpr, PREC32: tl.constexpr, BKS: tl.constexpr):
+    # one program per (chunk, head, sub-chunk row i): blocks (i, j) for j <= i of Akk and Aqk;
+    # at K > 128 from BKS channels at a time (_intra_row_kslices)
     DT: tl.constexpr = k.dtype.element_ty
     pid = tl.program_id(0)
     i_s = pid % 4
@@ -518,7 +657,21 @@ def pkda_fwd_intra_a_kernel(q, k, p, G, beta, Aqk, Akk, cu, chunk_indices, scale
     _, T0, Lc = _chunk_of(cu, chunk_indices, i_c, BT)
     # a sub-chunk past a partial chunk's end has no rows (the masks store nothing there)
     _store_upper_zeros(Aqk, T0, Lc, H, i_h, i_s, BT, BC)
-    if i_s == 0:
+    if K > 128:  # the K-sliced path (constexpr: K <= 128 compiles only the full-K path below)
+        if i_s == 0:
+            _intra_row_kslices(q, k, p, G, beta, Aqk, Akk, T0, Lc, H, i_h, scale, 0, K, BT, BC,
+                               BKS, BKD, DT, PREC, PREC32)
+        elif i_s * BC < Lc:
+            if i_s == 1:
+                _intra_row_kslices(q, k, p, G, beta, Aqk, Akk, T0, Lc, H, i_h, scale, 1, K, BT,
+                                   BC, BKS, BKD, DT, PREC, PREC32)
+            elif i_s == 2:
+                _intra_row_kslices(q, k, p, G, beta, Aqk, Akk, T0, Lc, H, i_h, scale, 2, K, BT,
+                                   BC, BKS, BKD, DT, PREC, PREC32)
+            else:
+                _intra_row_kslices(q, k, p, G, beta, Aqk, Akk, T0, Lc, H, i_h, scale, 3, K, BT,
+                                   BC, BKS, BKD, DT, PREC, PREC32)
+    elif i_s == 0:
         A, Q = _intra_diag(q, k, p, G, beta, T0, Lc, H, i_h, scale, 0, K, BC, BKD, PREC32)
         _store_blk(Akk, A, T0, Lc, H, i_h, 0, 0, BT, BC)
         _store_blk(Aqk, Q, T0, Lc, H, i_h, 0, 0, BT, BC)
@@ -613,8 +766,8 @@ def fwd_intra(q, k, v, p, G, beta, scale, layout: ChunkLayout, store_akk=False, 
     if layout.NT:
         pkda_fwd_intra_a_kernel[grid_intra_a(layout.NT, H)](
             q, k, p, G, beta, Aqk, Akk, layout.cu, layout.chunk_indices, scale, H,
-            K=K, BT=BT, BC=BC, BKD=16, PREC=_dot_prec(k.dtype),
-            PREC32=_dot_prec(k.dtype) if DIAG_PREC is None else DIAG_PREC)
+            K=K, BT=BT, BC=BC, BKD=INTRA_KSLICE_BKD if K > 128 else 16, PREC=_dot_prec(k.dtype),
+            PREC32=_dot_prec(k.dtype) if DIAG_PREC is None else DIAG_PREC, BKS=INTRA_KSLICE)
         pkda_fwd_solve_kernel[grid_intra(layout.NT, H)](Akk, Tinv, layout.cu, layout.chunk_indices, H,
                                                         BT=BT, BC=BC)
     W, U = fwd_wu(k, v, G, beta, Tinv, layout, p=p, kg_out=kg_out, q=q, scale=scale,

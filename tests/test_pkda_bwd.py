@@ -330,8 +330,11 @@ def test_v_and_g_gradients_come_in_their_inputs_dtypes():
 
 
 # --------------------------------------------------------------------------- the public op
+# K=256: fwd_h and bwd_dhu run their K-block kernels there (pkda_fwd_h_kblocks_kernel,
+# pkda_bwd_dhu_kblocks_kernel), which read kg / qg block by block
 @pytest.mark.parametrize("B,T,H,K,V,cu", [(1, 100, 2, 64, 128, None),
-                                          (1, 100, 1, 128, 64, [0, 33, 100])])
+                                          (1, 100, 1, 128, 64, [0, 33, 100]),
+                                          (1, 100, 1, 256, 128, [0, 37, 100])])
 def test_gated_operands_from_wu_give_the_state_passes_bitwise(B, T, H, K, V, cu):
     """fwd_wu's kg_out / qg_out (the state passes' gated operands, written once beside W) give
     fwd_h and bwd_dhu exactly what those compute when they form the operands themselves, and
@@ -528,3 +531,65 @@ def test_intra_tile_width_knob_parses_and_rejects_bad_values():
     for bad in ("48", "thirty-two", "32,16", "0"):
         with pytest.raises(ValueError, match=r"PKDA_BWD_INTRA_BK=.*expected one of 16, 32, 64"):
             tile_from_env("PKDA_BWD_INTRA_BK", 64, env={"PKDA_BWD_INTRA_BK": bad})
+
+
+# --------------------------------------------------------------------------- bwd.dhu at K > 128
+_DHU_KBLOCK_CASES = {}
+
+
+def _dhu_kblocks_case(K, varlen):
+    """bwd.dhu's inputs and the fp64 reference stage's dE, dDelta, dS0 (dht given: the final state's
+    gradient enters too). K=256 (four full 64-row blocks; what the op launches for any K in
+    (128, 256]) or 160 (three blocks, the last masked to 32 rows: bwd_dhu takes any K <= 256).
+    Dense: two sequences of 100 tokens (a partial last chunk); varlen: 37, 0 and 63 tokens. Mild
+    gates (about -1.5 a chunk): make's sum to about -50 over a chunk, and exp(-50) would hide a
+    wrong decay of the carried dE (or of dht) entirely."""
+    key = (K, varlen)
+    if key not in _DHU_KBLOCK_CASES:
+        B, cu = (1, [0, 37, 37, 100]) if varlen else (2, None)
+        d = make(B, 100, 2, K, 128, cu, seed=12)
+        d["g"] = d["g"] * 0.03
+        S = _ref_stages(d)
+        sv = saved_from_reference(d)
+        lay = bwd._layout(B, 100, d["cu"], "cpu")
+        _, dv_loc = bwd.bwd_dAv(d["do"], sv["Delta"], sv["Aqk"], d["scale"], lay)
+        args = (d["q"], sv["p"], sv["G"], sv["W"], d["do"], dv_loc, d["dht"], d["scale"], lay)
+        _DHU_KBLOCK_CASES[key] = args, S
+    return _DHU_KBLOCK_CASES[key]
+
+
+@pytest.mark.parametrize("i", range(len(bwd.DHU_KBLOCKS_SPACE)))
+@pytest.mark.parametrize("K,varlen", [(256, False), (256, True), (160, False), (160, True)])
+def test_dhu_in_K_blocks_in_every_config_matches_the_reference_stage(K, varlen, i, monkeypatch):
+    """Above K=128 bwd_dhu holds dE as 64-row K blocks (pkda_bwd_dhu_kblocks_kernel). The
+    interpreter runs only a space's first config, so each config (its V tile) is made the only
+    one in turn, against the fp64 reference stage; dE and dDelta in q's dtype, dS0 in FP32."""
+    import triton
+
+    meta, warps, stages = bwd.DHU_KBLOCKS_SPACE[i]
+    monkeypatch.setattr(bwd.pkda_bwd_dhu_kblocks_kernel, "configs",
+                        [triton.Config(dict(meta), num_warps=warps, num_stages=stages)])
+    args, S = _dhu_kblocks_case(K, varlen)
+    dE, dDelta, dS0 = bwd.bwd_dhu(*args)
+    assert dE.dtype == dDelta.dtype == args[0].dtype and dS0.dtype == torch.float32
+    for got, name in ((dE, "dE"), (dDelta, "dDelta"), (dS0, "dS0")):
+        assert rel(got, S[name]) < 2e-5, name
+
+
+def test_dhu_launches_the_K_block_kernel_only_above_K_128(monkeypatch):
+    """K <= 128 runs the full-K kernel as before; only K > 128 the K-block one; K > 256 (more
+    than four blocks) is refused."""
+    launched = []
+    for name in ("pkda_bwd_dhu_kernel", "pkda_bwd_dhu_kblocks_kernel"):  # kernel[grid] runs .run
+        monkeypatch.setattr(getattr(bwd, name), "run",
+                            lambda *a, name=name, **kw: launched.append((name, kw["K"])))
+    lay = bwd._layout(1, 64, None, "cpu")
+    dv = torch.zeros(1, 64, 1, 64)
+    for K in (64, 100, 128, 160, 256):
+        x = torch.zeros(1, 64, 1, K)
+        bwd.bwd_dhu(x, x, x, x, dv, dv, None, 1.0, lay)
+    full, kblocks = "pkda_bwd_dhu_kernel", "pkda_bwd_dhu_kblocks_kernel"
+    assert launched == [(full, 64), (full, 100), (full, 128), (kblocks, 160), (kblocks, 256)]
+    x = torch.zeros(1, 64, 1, 320)
+    with pytest.raises(ValueError, match=r"dE as at most 4 blocks of 64 rows: K=320 > 256"):
+        bwd.bwd_dhu(x, x, x, x, dv, dv, None, 1.0, lay)

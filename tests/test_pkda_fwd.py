@@ -375,3 +375,67 @@ def test_stage_intra_strong_gates_exact_path():
     for t, name in zip(got, ("Aqk", "Tinv", "W", "U", "Akk")):
         assert torch.isfinite(t).all(), name
         assert rel(t, ref[name]) < 1e-5, name
+
+
+# ---------------------------------------------------------------- fwd.h at K > 128: K blocks
+_H_KBLOCK_CASES = {}
+
+
+def _h_kblocks_case(K, varlen):
+    """fwd.h's inputs at the K the op launches (256) from the reference stages before it, and the
+    reference stage's outputs. K=160 is zero-padded to 256 as the op pads q, k, g and the states'
+    K side (S's rows 160..255 then stay 0: the third block half real, the fourth all padding).
+    Dense: two sequences of 100 tokens (a partial last chunk); varlen: 37, 0 and 63 tokens.
+    Mild gates (about -1.5 a chunk): make's logsigmoid gates sum to about -50 over a chunk, and
+    exp(-50) would hide a wrong decay of the carried state (or of the initial one) entirely."""
+    key = (K, varlen)
+    if key not in _H_KBLOCK_CASES:
+        B, T, H, V, Kp = (1, 100, 2, 128, 256) if varlen else (2, 100, 2, 128, 256)
+        cu = torch.tensor([0, 37, 37, 100]) if varlen else None
+        d = make(B, T, H, K, V, seed=12, states=True, N=3 if varlen else None)
+        d["g"] = d["g"] * 0.03
+        if K < Kp:
+            for n in ("q", "k", "g", "initial_A_state"):
+                d[n] = F.pad(d[n], (0, Kp - K))
+            d["initial_state"] = F.pad(d["initial_state"], (0, 0, 0, Kp - K))
+        lay = R.make_layout(B, T, cu, "cpu")
+        qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+        ra = R.ref_fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay,
+                           d["initial_A_state"])
+        ri = R.ref_fwd_intra(qn, kn, d["v"], ra["p"], ra["G"], d["beta"], K ** -0.5, lay)
+        args = (ri["W"], ri["U"], ra["p"], ra["G"], lay, d["initial_state"])
+        _H_KBLOCK_CASES[key] = args, R.ref_fwd_h(*args)
+    return _H_KBLOCK_CASES[key]
+
+
+@pytest.mark.parametrize("i", range(len(F_.H_KBLOCKS_SPACE)))
+@pytest.mark.parametrize("K,varlen", [(256, False), (256, True), (160, False), (160, True)])
+def test_stage_h_in_K_blocks_in_every_config_of_its_space(K, varlen, i, monkeypatch):
+    """Above K=128 fwd_h holds S as four 64-row K blocks (pkda_fwd_h_kblocks_kernel). The
+    interpreter runs only a space's first config, so each config (its V tile) is made the only
+    one in turn, against the reference stage: h, Delta and the final state."""
+    import triton
+
+    meta, warps, n_stages = F_.H_KBLOCKS_SPACE[i]
+    monkeypatch.setattr(F_.pkda_fwd_h_kblocks_kernel, "configs",
+                        [triton.Config(dict(meta), num_warps=warps, num_stages=n_stages)])
+    args, r = _h_kblocks_case(K, varlen)
+    h, Delta, S_fin = F_.fwd_h(*args, output_final_state=True)
+    assert h.shape == r["h"].shape and S_fin.dtype == torch.float32
+    assert rel(h, r["h"]) < 1e-5 and rel(Delta, r["Delta"]) < 1e-5 and rel(S_fin, r["final"]) < 1e-5
+    if varlen:  # the empty sequence's final state is its initial state
+        assert torch.equal(S_fin[1], args[-1][1])
+
+
+def test_fwd_h_launches_the_K_block_kernel_only_above_K_128(monkeypatch):
+    """K <= 128 runs the full-K kernel as before; only K > 128 the K-block one."""
+    launched = []
+    for name in ("pkda_fwd_h_kernel", "pkda_fwd_h_kblocks_kernel"):  # kernel[grid] runs .run
+        monkeypatch.setattr(getattr(F_, name), "run",
+                            lambda *a, name=name, **kw: launched.append((name, kw["K"])))
+    lay = R.make_layout(1, 8, None, "cpu")
+    for K in (64, 128, 256):
+        W = torch.zeros(1, 8, 1, K)
+        F_.fwd_h(W, torch.zeros(1, 8, 1, 64), W, W, lay)
+    full, kblocks = "pkda_fwd_h_kernel", "pkda_fwd_h_kblocks_kernel"
+    assert launched == [(full, 64), (full, 128), (kblocks, 256)]

@@ -46,7 +46,7 @@ on the thread that launches the kernels) and their kernels:
     dAv        pkda_bwd_dAv_kernel        dAqk_s = scale*tril(dO Delta^T) FP32 [B,T,H,64],
                                           dv_loc = Aqk^T dO                  grid (NT, H)
     dhu        pkda_bwd_dhu_kernel        reverse over chunks: dE per chunk, dDelta, dS0
-                                                                             grid (N*H, NV)
+               K > 128: pkda_bwd_dhu_kblocks_kernel (dE in K blocks)        grid (N*H, NV)
     wy_dqkg    pkda_bwd_wy_dqkg_kernel    inter-chunk dq/dk/dp/dG, dv, dbeta, dAkk FP32
                                                                              grid (NT, H)
     intra      pkda_bwd_intra_kernel      + pkda_bwd_beta_reduce_kernel      grid (NT*4, H, NK)
@@ -249,6 +249,184 @@ def pkda_bwd_dhu_kernel(q, p, G, kg, qg, W, do, dv_loc, dht, dE_all, dDelta, dS0
                 + tl.dot(tl.trans(b_qg), b_do.to(DT), input_precision=PREC)
                 - tl.dot(tl.trans(b_w).to(DT), b_dD.to(DT), input_precision=PREC))
     tl.store(dS0 + i_nh.to(tl.int64) * K * V + p_kv, b_dE, mask=m_kv)
+
+
+def _meta_configs(space):
+    """As _configs, for spaces whose configs set meta-parameters too: (meta dict, warps, stages)."""
+    cands = [triton.Config(dict(meta), num_warps=w, num_stages=s) for meta, w, s in space]
+    return cands[:1] if INTERPRET else cands
+
+
+# bwd.dhu at K > 128: at K=V=256 the kernel above spills in every config (offline sm_90 compile:
+# dE [K, BV] and the [64, K] FP32 tiles of G, p, q, W live at once). This one holds dE as 64-row
+# K blocks (cdiv(K, 64) of them, at most four; the last one masked when 64 does not divide K) and
+# reads G, p, q, W 64 columns at a time, so no [64, K] FP32 tile is live. The same split measured
+# neutral or slower at K=128 (branch pkda/dhu-kblocks, 207df80), so bwd_dhu runs it only for
+# K > 128 and every smaller K keeps the kernel above. Outputs, their dtypes and the rounding are
+# the kernel above's: each tl.dot takes the same operands cast to DT, dDelta's dot is accumulated
+# over the K blocks in FP32 as the full-K dot accumulates over K (the FP32 sums' order may differ
+# in the last bits), dE and dDelta are stored in their buffers' dtype (q's), dS0 in FP32, and dE
+# is carried in FP32.
+# The space, offline sm_90 compile at K=V=256: all four spill-free (167-253 registers; BV 64 at
+# 4 warps spills and is left out); 1 stage as the kernel above, since 2 stages would ask for
+# 289-338 KB of shared memory a block, more than an SM has.
+DHU_KBLOCKS_SPACE = [({"BV": 16}, 4, 1), ({"BV": 32}, 4, 1), ({"BV": 32}, 8, 1), ({"BV": 64}, 8, 1)]
+DHU_KBLOCK = 64   # rows of one K block of dE
+
+
+@triton.jit
+def _dhu_block_tk(rows, i_h, H: tl.constexpr, K: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    """Offsets of K block j's columns of a [T, H, K] tensor at rows, and the block's K mask."""
+    o_k = j * BKB + tl.arange(0, BKB)
+    return (rows[:, None] * H + i_h) * K + o_k[None, :], o_k, o_k < K
+
+
+@triton.jit
+def _dhu_block_kgE(p, G, kg, b_dE, b_acc, rows, m_t, last, i_h, H: tl.constexpr,
+                   K: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr, DT: tl.constexpr,
+                   PREC: tl.constexpr, PRE_GATED: tl.constexpr):
+    """b_acc + (p * exp(G_last - G))[:, block j] @ dE[block j]: dDelta's state term accumulated one
+    K block at a time, [BT, BV] FP32. The gated keys' block j read from kg (PRE_GATED: fwd_wu's
+    kg_out, as pkda_bwd_dhu_kernel reads it) or formed with gated_k, the same values rounded the
+    same way."""
+    p_tk, o_k, m_k = _dhu_block_tk(rows, i_h, H, K, j, BKB)
+    m_tk = m_t[:, None] & m_k[None, :]
+    if PRE_GATED:
+        b_kg = tl.load(kg + p_tk, mask=m_tk, other=0.)
+    else:
+        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_Gl = tl.load(G + (last * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_p = tl.load(p + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_kg = gated_k(b_p, b_G, b_Gl, m_tk).to(DT)
+    return tl.dot(b_kg, b_dE.to(DT), acc=b_acc, input_precision=PREC)
+
+
+@triton.jit
+def _dhu_block_step(q, G, qg, W, b_dE, b_do, b_dD, rows, m_t, last, i_h, scale,
+                    H: tl.constexpr, K: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr,
+                    DT: tl.constexpr, PREC: tl.constexpr, PRE_GATED: tl.constexpr):
+    """Block j of dE carried one chunk back: dE exp(G_last) + (q exp(G) scale)^T dO - W^T dDelta,
+    b_do and b_dD already in the dots' dtype. The gated queries' block j read from qg
+    (PRE_GATED: fwd_wu's qg_out) or formed with gated_q; G read at the chunk's last row either
+    way."""
+    p_tk, o_k, m_k = _dhu_block_tk(rows, i_h, H, K, j, BKB)
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_Gl = tl.load(G + (last * H + i_h) * K + o_k, mask=m_k, other=0.).to(tl.float32)
+    if PRE_GATED:
+        b_qg = tl.load(qg + p_tk, mask=m_tk, other=0.)
+    else:
+        b_G = tl.load(G + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_q = tl.load(q + p_tk, mask=m_tk, other=0.).to(tl.float32)
+        b_qg = gated_q(b_q, b_G, scale, m_tk).to(DT)
+    b_w = tl.load(W + p_tk, mask=m_tk, other=0.)
+    return (b_dE * tl.exp(b_Gl)[:, None]
+            + tl.dot(tl.trans(b_qg), b_do, input_precision=PREC)
+            - tl.dot(tl.trans(b_w).to(DT), b_dD, input_precision=PREC))
+
+
+@triton.jit
+def _dhu_block_kv(o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    """Offsets and mask of K block j of a [K, V] state, columns o_v."""
+    o_k = j * BKB + tl.arange(0, BKB)
+    return o_k[:, None] * V + o_v[None, :], (o_k < K)[:, None] & m_v[None, :]
+
+
+@triton.jit
+def _dhu_block_load(dht, base, o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr,
+                    BKB: tl.constexpr, BV: tl.constexpr, USE_DHT: tl.constexpr):
+    if USE_DHT:
+        p_kv, m_kv = _dhu_block_kv(o_v, m_v, K, V, j, BKB)
+        return tl.load(dht + base + p_kv, mask=m_kv, other=0.).to(tl.float32)
+    else:
+        return tl.zeros([BKB, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _dhu_block_store(out, base, b_dE, o_v, m_v, K: tl.constexpr, V: tl.constexpr, j: tl.constexpr,
+                     BKB: tl.constexpr):
+    p_kv, m_kv = _dhu_block_kv(o_v, m_v, K, V, j, BKB)
+    tl.store(out + base + p_kv, b_dE.to(out.dtype.element_ty), mask=m_kv)
+
+
+@triton.autotune(configs=_meta_configs(DHU_KBLOCKS_SPACE), key=["H", "K", "V", "DT"])
+@triton.jit
+def pkda_bwd_dhu_kblocks_kernel(q, p, G, kg, qg, W, do, dv_loc, dht, dE_all, dDelta, dS0, cu,
+                                chunk_off, scale, H: tl.constexpr, K: tl.constexpr,
+                                V: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+                                DT: tl.constexpr, PREC: tl.constexpr, USE_DHT: tl.constexpr,
+                                PRE_GATED: tl.constexpr):
+    # pkda_bwd_dhu_kernel's reverse pass, block by block of dE's rows
+    NKB: tl.constexpr = (K + BKB - 1) // BKB
+    tl.static_assert(NKB <= 4, "K must fit in 4 K blocks")
+    i_nh, i_v = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    coff = tl.load(chunk_off + i_n).to(tl.int64)
+    NT = tl.cdiv(eos - bos, BT)
+    o_t = tl.arange(0, BT)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    s0 = i_nh.to(tl.int64) * K * V
+    b_dE0 = _dhu_block_load(dht, s0, o_v, m_v, K, V, 0, BKB, BV, USE_DHT)
+    if NKB > 1:
+        b_dE1 = _dhu_block_load(dht, s0, o_v, m_v, K, V, 1, BKB, BV, USE_DHT)
+    if NKB > 2:
+        b_dE2 = _dhu_block_load(dht, s0, o_v, m_v, K, V, 2, BKB, BV, USE_DHT)
+    if NKB > 3:
+        b_dE3 = _dhu_block_load(dht, s0, o_v, m_v, K, V, 3, BKB, BV, USE_DHT)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        cbos = bos + i_t * BT
+        L = tl.minimum(eos - cbos, BT)
+        last = cbos + L - 1
+        sc = ((coff + i_t) * H + i_h) * K * V
+        _dhu_block_store(dE_all, sc, b_dE0, o_v, m_v, K, V, 0, BKB)
+        if NKB > 1:
+            _dhu_block_store(dE_all, sc, b_dE1, o_v, m_v, K, V, 1, BKB)
+        if NKB > 2:
+            _dhu_block_store(dE_all, sc, b_dE2, o_v, m_v, K, V, 2, BKB)
+        if NKB > 3:
+            _dhu_block_store(dE_all, sc, b_dE3, o_v, m_v, K, V, 3, BKB)
+        rows = cbos + o_t
+        m_t = o_t < L
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_tv = (rows[:, None] * H + i_h) * V + o_v[None, :]
+        b_kgE = tl.zeros([BT, BV], dtype=tl.float32)
+        b_kgE = _dhu_block_kgE(p, G, kg, b_dE0, b_kgE, rows, m_t, last, i_h, H, K, 0, BKB,
+                               DT, PREC, PRE_GATED)
+        if NKB > 1:
+            b_kgE = _dhu_block_kgE(p, G, kg, b_dE1, b_kgE, rows, m_t, last, i_h, H, K, 1, BKB,
+                                   DT, PREC, PRE_GATED)
+        if NKB > 2:
+            b_kgE = _dhu_block_kgE(p, G, kg, b_dE2, b_kgE, rows, m_t, last, i_h, H, K, 2, BKB,
+                                   DT, PREC, PRE_GATED)
+        if NKB > 3:
+            b_kgE = _dhu_block_kgE(p, G, kg, b_dE3, b_kgE, rows, m_t, last, i_h, H, K, 3, BKB,
+                                   DT, PREC, PRE_GATED)
+        b_dD = tl.load(dv_loc + p_tv, mask=m_tv, other=0.) + b_kgE
+        tl.store(dDelta + p_tv, b_dD.to(dDelta.dtype.element_ty), mask=m_tv)
+        # every block's update reads dO and dDelta as dot operands only
+        b_dD = b_dD.to(DT)
+        b_do = tl.load(do + p_tv, mask=m_tv, other=0.).to(DT)
+        b_dE0 = _dhu_block_step(q, G, qg, W, b_dE0, b_do, b_dD, rows, m_t, last, i_h, scale,
+                                H, K, 0, BKB, DT, PREC, PRE_GATED)
+        if NKB > 1:
+            b_dE1 = _dhu_block_step(q, G, qg, W, b_dE1, b_do, b_dD, rows, m_t, last, i_h, scale,
+                                    H, K, 1, BKB, DT, PREC, PRE_GATED)
+        if NKB > 2:
+            b_dE2 = _dhu_block_step(q, G, qg, W, b_dE2, b_do, b_dD, rows, m_t, last, i_h, scale,
+                                    H, K, 2, BKB, DT, PREC, PRE_GATED)
+        if NKB > 3:
+            b_dE3 = _dhu_block_step(q, G, qg, W, b_dE3, b_do, b_dD, rows, m_t, last, i_h, scale,
+                                    H, K, 3, BKB, DT, PREC, PRE_GATED)
+    _dhu_block_store(dS0, s0, b_dE0, o_v, m_v, K, V, 0, BKB)
+    if NKB > 1:
+        _dhu_block_store(dS0, s0, b_dE1, o_v, m_v, K, V, 1, BKB)
+    if NKB > 2:
+        _dhu_block_store(dS0, s0, b_dE2, o_v, m_v, K, V, 2, BKB)
+    if NKB > 3:
+        _dhu_block_store(dS0, s0, b_dE3, o_v, m_v, K, V, 3, BKB)
 
 
 # =============================================================================================
@@ -814,12 +992,13 @@ def bwd_dAv(do, Delta, Aqk, scale, lay, write_dA=True):
 
 def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay, kg=None, qg=None):
     """bwd.dhu. Returns (dE_all [NT,H,K,V], dDelta [B,T,H,V]) in q's dtype and dS0 [N,H,K,V]
-    in FP32. The kernel carries dE in FP32 across chunks; what it stores is read by
-    bwd.wy_dqkg as tl.dot operands (cast to q's dtype there anyway) and, for dE, in dG's
-    last-row term sum_v h dE (h is stored in q's dtype too): half the bytes of FP32 at bf16,
-    both written once and read up to 1 + K/64 times.
+    in FP32 (K <= 128: pkda_bwd_dhu_kernel; 128 < K <= 256: pkda_bwd_dhu_kblocks_kernel). Both
+    kernels carry dE in FP32 across chunks; what they store is read by bwd.wy_dqkg as tl.dot
+    operands (cast to q's dtype there anyway) and, for dE, in dG's last-row term sum_v h dE (h
+    is stored in q's dtype too): half the bytes of FP32 at bf16, both written once and read up
+    to 1 + K/64 times.
     kg, qg: the gated operands fwd_wu(kg_out=, qg_out=) wrote (then p and q are not read; G
-    only at each chunk's last row), else formed here from p, q and G."""
+    only at each chunk's last row), else formed here from p, q and G; either kernel."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     dE_all = q.new_empty((lay.NT, H, K, V))
@@ -831,9 +1010,18 @@ def bwd_dhu(q, p, G, W, do, dv_loc, dht, scale, lay, kg=None, qg=None):
         if t is not None and (t.shape != q.shape or t.dtype != q.dtype or not t.is_contiguous()):
             raise ValueError(f"bwd_dhu: {name} must be a contiguous {tuple(q.shape)} {q.dtype} "
                              f"tensor, got {tuple(t.shape)} {t.dtype}")
-    BK = triton.next_power_of_2(K)
-    BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
-    if lay.N:
+    if K > 4 * DHU_KBLOCK:
+        raise ValueError(f"bwd.dhu holds dE as at most 4 blocks of {DHU_KBLOCK} rows: "
+                         f"K={K} > {4 * DHU_KBLOCK}")
+    if lay.N and K > 128:
+        pkda_bwd_dhu_kblocks_kernel[lambda meta: (lay.N * H, triton.cdiv(V, meta["BV"]))](
+            q, p, G, kg, qg, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta,
+            dS0, lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BKB=DHU_KBLOCK,
+            DT=_dot_dtype(q.dtype), PREC=_prec(q.dtype), USE_DHT=dht is not None,
+            PRE_GATED=kg is not None)
+    elif lay.N:
+        BK = triton.next_power_of_2(K)
+        BV = min(64 if BK <= 128 else 32, triton.next_power_of_2(V))
         pkda_bwd_dhu_kernel[(lay.N * H, triton.cdiv(V, BV))](
             q, p, G, kg, qg, W, do, dv_loc, dht if dht is not None else dS0, dE_all, dDelta,
             dS0, lay.cu, lay.chunk_offsets, scale, H=H, K=K, V=V, BK=BK, BV=BV,

@@ -26,6 +26,7 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
     fwd_h(W, U, p, G, layout, initial_state=None, output_final_state=False, store_h=True,
           kg=None)
         -> (h [NT,H,K,V] k.dtype | None, Delta [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None)
+        K > 128: pkda_fwd_h_kblocks_kernel (S as 64-row K blocks; same outputs and rounding).
     fwd_o(q, G, h, Aqk, Delta, scale, layout) -> o [B,T,H,V] v.dtype
     pkda_fwd(...)  all of the above in order, see its docstring.
 
@@ -799,11 +800,159 @@ def pkda_fwd_h_kernel(w, u, p, G, kg, h0, h, delta, ht, cu, chunk_offsets, H,
         tl.store(ht + st + kv, b_S)
 
 
+# ---------------------------------------------------------------------------- fwd.h, K > 128
+# At K=V=256 the kernel above spills in every config (offline sm_90 compile: S [K, BV] and the
+# [64, K] FP32 tiles of W, G, p are live at once). This one holds S as 64-row K blocks (K // 64 of
+# them, at most four) and reads W, G, p 64 columns at a time, so no [64, K] FP32 tile is live. The
+# same split measured neutral or slower at K=128 (branch pkda/h-kblocks, b0b1234), so fwd_h runs
+# it only for K > 128 and every smaller K keeps the kernel above. The math and the rounding are
+# the same: each tl.dot takes the same operands in the same dtypes (W and S in W's dtype, P's
+# gated tile and Delta in W's dtype), W S is accumulated over the K blocks in FP32 as the full-K
+# dot accumulates over K (the FP32 sums' order may differ in the last bits), and h, Delta, the
+# final state are stored in the same dtypes.
+# The space, offline sm_90 compile at K=V=256: all four spill-free (165-231 registers; BV 64 at
+# 4 warps spills and is left out). At 2 stages the next chunk's W, G, p tiles are staged in shared
+# memory (178-190 KB a block, so one block an SM); at 1 stage a block takes 26-42 KB: the
+# autotuner chooses between that prefetch and more resident blocks.
+H_KBLOCKS_SPACE = [({"BV": 16}, 4, 2), ({"BV": 32}, 8, 2), ({"BV": 32}, 4, 1), ({"BV": 64}, 8, 1)]
+H_KBLOCK = 64   # rows of one K block of S
+
+
+@triton.jit
+def _h_block_kv(o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    """Offsets of K block j of a [K, V] state, columns o_v."""
+    return (j * BKB + tl.arange(0, BKB))[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def _h_block_load(h0, st, o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr,
+                  BV: tl.constexpr, HAS_H0: tl.constexpr):
+    if HAS_H0:
+        return tl.load(h0 + st + _h_block_kv(o_v, V, j, BKB)).to(tl.float32)
+    else:
+        return tl.zeros([BKB, BV], dtype=tl.float32)
+
+
+@triton.jit
+def _h_block_store(out, base, b_S, o_v, V: tl.constexpr, j: tl.constexpr, BKB: tl.constexpr):
+    tl.store(out + base + _h_block_kv(o_v, V, j, BKB), b_S.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _h_block_ws(w, b_S, b_ws, rows, m_t, i_h, H, K: tl.constexpr, j: tl.constexpr,
+                BKB: tl.constexpr, PREC: tl.constexpr):
+    """b_ws + W[:, block j] @ S[block j]: W S accumulated one K block at a time, [BT, BV] FP32."""
+    DT: tl.constexpr = w.dtype.element_ty
+    rk = (rows * H + i_h)[:, None] * K + (j * BKB + tl.arange(0, BKB))[None, :]
+    b_w = tl.load(w + rk, mask=m_t[:, None], other=0.)
+    return tl.dot(b_w, b_S.to(DT), acc=b_ws, input_precision=PREC)
+
+
+@triton.jit
+def _h_block_step(p, G, kg, b_S, b_d, rows, m_t, last, i_h, H, K: tl.constexpr, j: tl.constexpr,
+                  BKB: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, PRE_KG: tl.constexpr):
+    """Block j of S carried over the chunk: diag(exp(G_last)) S + (P * exp(G_last - G))^T Delta,
+    b_d being Delta already in the dot's dtype. The gated keys' block j is read from kg (PRE_KG:
+    fwd_wu's kg_out, as pkda_fwd_h_kernel reads it) or formed here with gated_k, the same values
+    rounded the same way; G is read at the chunk's last row either way."""
+    o_k = j * BKB + tl.arange(0, BKB)
+    rk = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_gl = tl.load(G + (last * H + i_h) * K + o_k)
+    if PRE_KG:
+        b_kg = tl.load(kg + rk, mask=m_t[:, None], other=0.)
+    else:
+        b_G = tl.load(G + rk, mask=m_t[:, None], other=0.)
+        b_p = tl.load(p + rk, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_kg = gated_k(b_p, b_G, b_gl, m_t[:, None]).to(DT)
+    return b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_d, input_precision=PREC)
+
+
+@triton.autotune(configs=_configs(H_KBLOCKS_SPACE), key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_h_kblocks_kernel(w, u, p, G, kg, h0, h, delta, ht, cu, chunk_offsets, H,
+                              K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                              BKB: tl.constexpr, HAS_H0: tl.constexpr, STORE_H: tl.constexpr,
+                              STORE_FINAL: tl.constexpr, PREC: tl.constexpr,
+                              PRE_KG: tl.constexpr):
+    # pkda_fwd_h_kernel's recurrence, block by block of S's rows:
+    # Delta = U - sum_j W[:, j] S[j]
+    # S[j] <- diag(exp(G_last[j])) S[j] + (P * exp(G_last - G))[:, j]^T Delta   (j: K block)
+    NKB: tl.constexpr = K // BKB
+    tl.static_assert(NKB * BKB == K and NKB <= 4, "K must be 1 to 4 whole K blocks")
+    NV: tl.constexpr = V // BV
+    DT: tl.constexpr = w.dtype.element_ty
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_nh = pid // NV
+    i_h = i_nh % H
+    i_n = i_nh // H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    L = eos - bos
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    st = (i_n.to(tl.int64) * H + i_h) * K * V
+    b_S0 = _h_block_load(h0, st, o_v, V, 0, BKB, BV, HAS_H0)
+    if NKB > 1:
+        b_S1 = _h_block_load(h0, st, o_v, V, 1, BKB, BV, HAS_H0)
+    if NKB > 2:
+        b_S2 = _h_block_load(h0, st, o_v, V, 2, BKB, BV, HAS_H0)
+    if NKB > 3:
+        b_S3 = _h_block_load(h0, st, o_v, V, 3, BKB, BV, HAS_H0)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        if STORE_H:
+            sh = ((c0 + i_t) * H + i_h) * K * V
+            _h_block_store(h, sh, b_S0, o_v, V, 0, BKB)
+            if NKB > 1:
+                _h_block_store(h, sh, b_S1, o_v, V, 1, BKB)
+            if NKB > 2:
+                _h_block_store(h, sh, b_S2, o_v, V, 2, BKB)
+            if NKB > 3:
+                _h_block_store(h, sh, b_S3, o_v, V, 3, BKB)
+        pos = i_t * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        rv = (rows * H + i_h)[:, None] * V + o_v[None, :]
+        b_ws = tl.zeros([BT, BV], dtype=tl.float32)
+        b_ws = _h_block_ws(w, b_S0, b_ws, rows, m_t, i_h, H, K, 0, BKB, PREC)
+        if NKB > 1:
+            b_ws = _h_block_ws(w, b_S1, b_ws, rows, m_t, i_h, H, K, 1, BKB, PREC)
+        if NKB > 2:
+            b_ws = _h_block_ws(w, b_S2, b_ws, rows, m_t, i_h, H, K, 2, BKB, PREC)
+        if NKB > 3:
+            b_ws = _h_block_ws(w, b_S3, b_ws, rows, m_t, i_h, H, K, 3, BKB, PREC)
+        b_d = tl.load(u + rv, mask=m_t[:, None], other=0.).to(tl.float32) - b_ws
+        tl.store(delta + rv, b_d.to(delta.dtype.element_ty), mask=m_t[:, None])
+        b_d = b_d.to(DT)   # every block's update reads Delta as a dot operand only
+        last = bos + i_t * BT + tl.minimum(L - i_t * BT, BT) - 1
+        b_S0 = _h_block_step(p, G, kg, b_S0, b_d, rows, m_t, last, i_h, H, K, 0, BKB, DT,
+                             PREC, PRE_KG)
+        if NKB > 1:
+            b_S1 = _h_block_step(p, G, kg, b_S1, b_d, rows, m_t, last, i_h, H, K, 1, BKB, DT,
+                                 PREC, PRE_KG)
+        if NKB > 2:
+            b_S2 = _h_block_step(p, G, kg, b_S2, b_d, rows, m_t, last, i_h, H, K, 2, BKB, DT,
+                                 PREC, PRE_KG)
+        if NKB > 3:
+            b_S3 = _h_block_step(p, G, kg, b_S3, b_d, rows, m_t, last, i_h, H, K, 3, BKB, DT,
+                                 PREC, PRE_KG)
+    if STORE_FINAL:
+        _h_block_store(ht, st, b_S0, o_v, V, 0, BKB)
+        if NKB > 1:
+            _h_block_store(ht, st, b_S1, o_v, V, 1, BKB)
+        if NKB > 2:
+            _h_block_store(ht, st, b_S2, o_v, V, 2, BKB)
+        if NKB > 3:
+            _h_block_store(ht, st, b_S3, o_v, V, 3, BKB)
+
+
 def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_state=False,
           store_h=True, kg=None):
     """Stage fwd.h. Returns (h [NT,H,K,V] in W.dtype or None, Delta [B,T,H,V] in U.dtype,
     S_final [N,H,K,V] fp32 or None). No state tensor is allocated unless asked. kg: the gated
-    keys fwd_wu(kg_out=) wrote (then p is not read), else formed here from p and G."""
+    keys fwd_wu(kg_out=) wrote (then p is not read), else formed here from p and G. K <= 128 runs
+    pkda_fwd_h_kernel, K > 128 (256) pkda_fwd_h_kblocks_kernel (both read kg when given)."""
     B, T, H, K = W.shape
     V = U.shape[-1]
     _check_dims(K, V)
@@ -815,7 +964,12 @@ def fwd_h(W, U, p, G, layout: ChunkLayout, initial_state=None, output_final_stat
     Delta = torch.empty_like(U)
     ht = torch.empty(layout.N, H, K, V, dtype=torch.float32, device=W.device) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    if layout.N:
+    if layout.N and K > 128:
+        pkda_fwd_h_kblocks_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
+            W, U, p, G, kg, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
+            K=K, V=V, BT=BT, BKB=H_KBLOCK, HAS_H0=h0 is not None, STORE_H=store_h,
+            STORE_FINAL=output_final_state, PREC=_dot_prec(W.dtype), PRE_KG=kg is not None)
+    elif layout.N:
         pkda_fwd_h_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
             W, U, p, G, kg, h0, h, Delta, ht, layout.cu, layout.chunk_offsets, H,
             K=K, V=V, BT=BT, HAS_H0=h0 is not None, STORE_H=store_h,

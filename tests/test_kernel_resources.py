@@ -188,4 +188,7 @@ def test_every_kernel_has_a_config_that_fits_hoppers_shared_memory_in_fp32_at_d2
         smallest[key] = min(smallest.get(key, r["shared_bytes"]), r["shared_bytes"])
     too_big = {k: v for k, v in smallest.items() if v > HOPPER_SHARED_PER_BLOCK}
     assert not too_big, f"no config fits {HOPPER_SHARED_PER_BLOCK} B of shared memory: {too_big}"
-    assert {"pkda_fwd_h_kernel", "pkda_bwd_dhu_kernel", "pkda_bwd_intra_kernel"} <= {k for k, _ in smallest}
+    # the state passes and the backward intra kernel (whichever variant runs at K = 256) were found
+    found = {k for k, _ in smallest}
+    assert all(any(k.startswith(prefix) for k in found)
+               for prefix in ("pkda_fwd_h_", "pkda_bwd_dhu_", "pkda_bwd_intra_kernel"))

@@ -12,7 +12,8 @@ every config of its autotune space (a kernel without @triton.autotune: the launc
 num_warps / num_stages, or Triton's defaults) and prints, per shape, one row a (kernel, launch,
 config): registers a thread, stack frame and local bytes a thread, the spill instructions in
 the SASS (STL / LDL), shared memory a block, the blocks a Hopper SM holds by registers and
-warps, and `SPILLS` where the kernel spills. `--json` writes the same records (with each
+warps, `SPILLS` where the kernel spills and `OVER SHARED` where a block needs more shared memory
+than an sm_90 block may have (such a config cannot launch). `--json` writes the same records (with each
 launch's signature, constexprs and 16-divisible arguments) and a header. Exit status: 0, 1 when
 a shape or a kernel failed (its error is printed), 2 for a bad experiment, shape or option.
 
@@ -391,6 +392,10 @@ def cubin_resources(cubin: bytes, name: str) -> dict:
 
 # sm_90's register file as the CUDA occupancy calculator counts it (H100 / H200 alike)
 SM90_REGISTERS, SM90_REG_GRANULE, SM90_MAX_WARPS, SM90_MAX_BLOCKS = 65536, 256, 64, 32
+# the shared memory one sm_90 block may opt into (227 KB, H100 / H200 alike): Triton's launcher
+# raises OutOfResources before a launch that needs more, on the GPU only (the interpreter has no
+# shared memory), so an autotune space needs a config under it at every shape and dtype it serves
+SM90_MAX_SHARED_PER_BLOCK = 232448
 
 
 def register_limits(registers: int, num_warps: int) -> dict:
@@ -410,6 +415,7 @@ def _compile_unit(unit: dict, target) -> dict:
     res = cubin_resources(kernel.asm["cubin"], kernel.metadata.name)
     res["shared_bytes"] = kernel.metadata.shared + res["static_shared_bytes"]
     res["spills"] = res["spill_stores"] + res["spill_loads"] + res["local_bytes"] > 0
+    res["over_shared"] = res["shared_bytes"] > SM90_MAX_SHARED_PER_BLOCK
     res.update(register_limits(res["registers"], kernel.metadata.num_warps))
     res["compile_s"] = round(time.perf_counter() - t0, 2)
     return res
@@ -470,7 +476,7 @@ def measure(experiment: str | Path, shapes: list[str] | None = None, mode: str =
     """Discover and compile; returns {"header": {...}, "records": [...], "errors": [...]}.
     A record: shape, mode, dtype, kernel, launches (calls of this launch in one op call), the
     launch's constexprs, config (num_warps, num_stages, num_ctas, maxnreg, kwargs), registers,
-    stack_bytes, local_bytes, spill_stores, spill_loads, shared_bytes, spills (or error)."""
+    stack_bytes, local_bytes, spill_stores, spill_loads, shared_bytes, spills, over_shared (or error)."""
     from harness.spec import load_experiment
 
     loaded = load_experiment(experiment)
@@ -568,7 +574,9 @@ def format_table(result: dict, color: bool = False) -> str:
                          str(r["stack_bytes"]), str(r["local_bytes"]), f"{r['spill_stores']}/{r['spill_loads']}",
                          str(r["shared_bytes"]),
                          str(min(r["occupancy_limit_registers"], r["occupancy_limit_warps"])),
-                         "SPILLS" if r["spills"] else ""))
+                         ", ".join(flag for flag, on in (("SPILLS", r["spills"]),
+                                                          ("OVER SHARED", r.get("over_shared")))
+                                   if on)))
         widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
         lines += ["", f"{shape}"]
 
@@ -582,7 +590,8 @@ def format_table(result: dict, color: bool = False) -> str:
     lines += ["", "launch: the constexprs that tell a kernel's launches apart (xN: launched N times a call); "
               "config: num_warps, num_stages, the config's kwargs",
               "stack/local B: per thread; STL/LDL: local store/load instructions in the SASS (static count); "
-              "shared B: a block's (Triton's dynamic + static)",
+              f"shared B: a block's (Triton's dynamic + static); OVER SHARED: above the "
+              f"{SM90_MAX_SHARED_PER_BLOCK} B an sm_90 block may have (the config cannot launch)",
               "blocks/SM: how many blocks of this config a Hopper SM holds by registers and warps "
               "(shared memory's limit depends on the launch's carveout and is left out)"]
     for e in result["errors"]:

@@ -17,7 +17,7 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
             a_final [N,H,K] fp32 | None)
         k already L2-normalised; G = chunk-local inclusive cumsum of g.
     fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False, kg_out=None, qg_out=None)
-        -> (Aqk [B,T,H,64] fp32, Tinv [B,T,H,64] fp32, W [B,T,H,K] k.dtype,
+        -> (Aqk [B,T,H,64] k.dtype, Tinv [B,T,H,64] k.dtype, W [B,T,H,K] k.dtype,
             U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
         Aqk inclusive and scaled; Tinv = (I + Akk)^-1; Akk strict and beta-scaled.
     fwd_wu(k, v, G, beta, Tinv, layout, p=None, kg_out=None, q=None, scale=None, qg_out=None)

@@ -265,7 +265,7 @@ def test_triton_stages_match_reference_stages(B, T, H, K, V, cu):
     gr = bwd.bwd_intra(d["q"], d["k"], sv["p"], sv["G"], d["beta"], dAqk, gr["dAkk"], gr, lay)
     for m in ("dq", "dk", "dp", "dG", "dbeta"):
         assert rel(gr[m] - wy[m], S["in_" + m]) < tol, m
-    dg = bwd.bwd_dg(gr["dG"], lay)
+    dg = bwd.bwd_dg(gr["dG"], d["g"], lay)
     assert rel(dg, S["dg"]) < tol
     c = d["log_atk_scale"]
     at = bwd.bwd_atk(d["k"], sv["a"], d["g_atk"], d["beta_atk"], c, gr["dp"], gr["dk"],

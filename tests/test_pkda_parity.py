@@ -120,6 +120,47 @@ def test_extreme_gates():
     run_both(d, tol=2e-5)
 
 
+@pytest.mark.parametrize("disable_recompute", [False, True])
+def test_gate_floor_is_the_clamp(disable_recompute):
+    """The kernels apply the gate floor themselves (fwd.GATE_FLOOR): the op on raw gates must
+    give exactly what it gives on gates clamped by torch.clamp beforehand, outputs and every
+    gradient (the floor's gradient is 0 below -24, passed through at -24 itself). The dg
+    cumsum learns where from the recompute's fwd.atk flags, or reads g (disable_recompute:
+    no recompute); chunk 1 of head 1 has no low gate, its tile is not read."""
+    from kernels.pkda.fwd import GATE_FLOOR
+    d = make(1, 80, 2, 64, 64, seed=4)
+    d["g"][0, 3:9, 0, :5] = -1000.
+    d["g"][0, 40, 1, :] = float("-inf")
+    d["g"][0, 41, 1, 7] = -GATE_FLOOR
+    d["g"][0, 63, 1, 2] = -25.
+    d["g"][0, 70, 0, 60:] = -50.
+    d["g_atk"][0, 12:15, 1] = -30.
+    d["g_atk"][0, 50, 0] = -GATE_FLOOR
+    gen = torch.Generator().manual_seed(5)
+    results = []
+    for clamp_first in (False, True):
+        leaves = {n: t.clone().requires_grad_(True) for n, t in d.items()}
+        args = dict(leaves)
+        if clamp_first:
+            args["g"] = leaves["g"].clamp(min=-GATE_FLOOR)
+            args["g_atk"] = leaves["g_atk"].clamp(min=-GATE_FLOOR)
+        outs = chunk_precond_kda(**args, output_final_state=True,
+                                 disable_recompute=disable_recompute)
+        if not results:
+            R = [torch.randn(t.shape, generator=gen) for t in outs]
+        sum((o * r).sum() for o, r in zip(outs, R)).backward()
+        results.append((outs, {n: t.grad for n, t in leaves.items()}))
+    (outs, grads), (c_outs, c_grads) = results
+    for o, c in zip(outs, c_outs):
+        assert torch.equal(o, c)
+    for n in grads:
+        assert torch.equal(grads[n], c_grads[n]), n
+    below = d["g"] < -GATE_FLOOR
+    assert (grads["g"][below] == 0).all() and (grads["g"][~below] != 0).all()
+    assert (grads["g_atk"][d["g_atk"] < -GATE_FLOOR] == 0).all()
+    assert grads["g_atk"][0, 50, 0] != 0 and grads["g"][0, 41, 1, 7] != 0
+
+
 def test_extreme_gates_padded_dims():
     d = make(1, 40, 1, 60, 60, seed=3)
     d["g"][..., :6] = -1000.

@@ -13,6 +13,8 @@ Arguments (same layout as the forward, B=1 when cu_seqlens is given):
     v               [B,T,H,V]
     g               [B,T,H,K]  per-channel log decay (natural log, <= 0), NOT cumsummed
     g_atk           [B,T,H]    scalar log decay of the ATK second moment
+                    (both as given: the kernels apply fwd.GATE_FLOOR, and the gradients
+                    are 0 below it, as the forward's)
     beta_atk, beta  [B,T,H]
     log_atk_scale   [H]        c_h
     scale, x, eps   python floats (scale already resolved, x > 1)
@@ -77,7 +79,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fwd import decayed_sum, gated_k, gated_q
+from .fwd import above_floor, decayed_sum, floored, gated_k, gated_q
 from .ranges import stage_range
 
 # Globals read inside @triton.jit kernels must be tl.constexpr on a real GPU (the interpreter
@@ -689,8 +691,11 @@ def pkda_bwd_beta_reduce_kernel(dbeta, dbeta_part, n, NK: tl.constexpr, BLOCK: t
 
 
 @triton.jit
-def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of g)."""
+def pkda_bwd_dg_cumsum_kernel(dG, g, floor_flags, dg, chunks, H: tl.constexpr,
+                              K: tl.constexpr, BK: tl.constexpr, FROM_FLAGS: tl.constexpr):
+    """dg = in-chunk reverse cumsum of dG (G is the in-chunk inclusive cumsum of floored(g)),
+    0 where g is below the gate floor. g is read only in tiles that fwd.atk's floor_flags mark
+    (FROM_FLAGS), else in every tile."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, eos = _chunk_bounds(chunks, i_c)
     o_t = tl.arange(0, BT)
@@ -698,7 +703,15 @@ def pkda_bwd_dg_cumsum_kernel(dG, dg, chunks, H: tl.constexpr, K: tl.constexpr, 
     m = (o_t < eos - bos)[:, None] & (o_k < K)[None, :]
     ptr = ((bos + o_t)[:, None] * H + i_h) * K + o_k[None, :]
     b = tl.load(dG + ptr, mask=m, other=0.)
-    tl.store(dg + ptr, tl.cumsum(b, axis=0, reverse=True).to(dg.dtype.element_ty), mask=m)
+    b_dg = tl.cumsum(b, axis=0, reverse=True)
+    if FROM_FLAGS:
+        b_any = tl.max(tl.load(floor_flags + (i_c.to(tl.int64) * H + i_h) * K + o_k,
+                               mask=o_k < K, other=0))
+    else:
+        b_any = 1
+    if b_any != 0:
+        b_dg = tl.where(above_floor(tl.load(g + ptr, mask=m, other=0.).to(tl.float32)), b_dg, 0.)
+    tl.store(dg + ptr, b_dg.to(dg.dtype.element_ty), mask=m)
 
 
 # =============================================================================================
@@ -753,15 +766,15 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
         b_dr = tl.where(m_tk, b_dp * b_k * b_m * (-logx) / (b_ar * b_ar), 0.)
         b_dc -= tl.sum(b_dr, axis=0)
         b_dad = b_dr / (b_a + eps)
-        b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
         b_Ga = tl.cumsum(b_ga, axis=0)
         b_Gl = tl.sum(b_ga, axis=0)
         # in-chunk: da_r = dad_r + exp(ga_(r+1)) da_(r+1), a reverse scan over the rows (each
         # row carries the decay of the row after it; rows past L hold dad = 0), instead of a
         # [64, 64] masked decay matrix as an IEEE FMA dot; then the later chunks' carry,
         # decayed to each row
-        b_dnext = tl.exp(tl.load(g_atk + (rows + 1) * H + i_h, mask=(o_t + 1) < L,
-                                 other=0.).to(tl.float32))
+        b_dnext = tl.exp(floored(tl.load(g_atk + (rows + 1) * H + i_h, mask=(o_t + 1) < L,
+                                         other=0.).to(tl.float32)))
         _, b_da = tl.associative_scan((tl.broadcast_to(b_dnext[:, None], (BT, BK)), b_dad), 0,
                                       decayed_sum, reverse=True)
         b_da += tl.exp(b_Gl - b_Ga)[:, None] * b_carry[None, :]
@@ -774,7 +787,13 @@ def pkda_bwd_atk_kernel(k, a, g_atk, beta_atk, c, dp, dk, a0, dat, dga_part, dba
                 + 2. * b_ba[:, None] * b_k * b_da)
         tl.store(dk + p_tk, b_dk, mask=m_tk)
         p_part = (i_k * TT + rows) * H + i_h
-        tl.store(dga_part + p_part, tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), mask=m_t)
+        # the raw g_atk read again (128 bytes, a cache hit) rather than kept live from the top
+        # of the iteration across the scan (on the decay-matrix form of this kernel, keeping it
+        # made ptxas spill more: offline sm_90, 600 B of stack against 416 this way)
+        b_ga_raw = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+        tl.store(dga_part + p_part, tl.where(above_floor(b_ga_raw),
+                                             tl.sum(b_da * b_eg[:, None] * b_ap, axis=1), 0.),
+                 mask=m_t)
         tl.store(dba_part + p_part, tl.sum(b_da * b_k * b_k, axis=1), mask=m_t)
         b_carry = tl.sum(tl.where((o_t == 0)[:, None], b_da * b_eg[:, None], 0.), axis=0)
     tl.store(da0 + i_nh.to(tl.int64) * K + o_k, b_carry, mask=m_k)
@@ -882,14 +901,16 @@ def bwd_intra(q, k, p, G, beta, dAqk, dAkk, grads, lay):
     return grads
 
 
-def bwd_dg(dG, lay, dtype=torch.float32):
-    """dg = in-chunk reverse cumsum of dG, in `dtype`."""
+def bwd_dg(dG, g, lay, dtype=torch.float32, floor_flags=None):
+    """dg = in-chunk reverse cumsum of dG, 0 where g (raw) is below the gate floor, in `dtype`.
+    floor_flags: fwd_atk's for this g (g is then read only in the tiles they mark), or None."""
     B, T, H, K = dG.shape
     dg = _new(dG.shape, dG, lay.covered, dtype=dtype)
     BK = _bk(K)
     if lay.NT:
-        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](dG, dg, lay.chunk_bounds,
-                                                                   H=H, K=K, BK=BK)
+        pkda_bwd_dg_cumsum_kernel[(lay.NT, H, triton.cdiv(K, BK))](
+            dG, g, floor_flags if floor_flags is not None else g, dg, lay.chunk_bounds, H=H,
+            K=K, BK=BK, FROM_FLAGS=floor_flags is not None)
     return dg
 
 
@@ -923,13 +944,14 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
     """bwd.recompute: a, p, G (fwd.atk), Aqk, Tinv, W, U (fwd.intra), h, Delta (fwd.h), with
     the forward's own Triton stage launchers. Tensors present in `saved` are reused: all of
     RECOMPUTE_KEYS skips the stage; Aqk and Tinv alone (KEPT_BY_DEFAULT) replace fwd.intra by
-    fwd_wu (W, U from Tinv)."""
+    fwd_wu (W, U from Tinv). When fwd.atk runs, its floor_flags come too (for bwd.dg)."""
     saved = saved or {}
     if all(saved.get(n) is not None for n in RECOMPUTE_KEYS):
         return {n: saved[n] for n in RECOMPUTE_KEYS}
     from . import fwd
+    floor_flags = torch.empty((lay.NT,) + tuple(g.shape[2:]), dtype=torch.int8, device=g.device)
     p, G, a, _ = fwd.fwd_atk(k, g, g_atk, beta_atk, c, lay, initial_A_state, x=x, eps=eps,
-                             store_a=True)
+                             store_a=True, floor_flags=floor_flags)
     # the state passes' gated operands (fwd_h, bwd_dhu), written beside W
     gated = dict(kg_out=torch.empty_like(k), qg_out=torch.empty_like(q))
     if all(saved.get(n) is not None for n in KEPT_BY_DEFAULT):
@@ -939,7 +961,7 @@ def bwd_recompute(q, k, v, g, g_atk, beta_atk, beta, c, scale, x, eps, initial_s
         Aqk, Tinv, W, U, _ = fwd.fwd_intra(q, k, v, p, G, beta, scale, lay, **gated)
     h, Delta, _ = fwd.fwd_h(W, U, p, G, lay, initial_state, kg=gated["kg_out"])
     return dict(a=a, p=p, G=G, Aqk=Aqk, Tinv=Tinv, W=W, U=U, h=h, Delta=Delta,
-                kg=gated["kg_out"], qg=gated["qg_out"])
+                kg=gated["kg_out"], qg=gated["qg_out"], floor_flags=floor_flags)
 
 
 # ---------------------------------------------------------------------------- the dAqk seam
@@ -1031,7 +1053,7 @@ def pkda_bwd(q, k, v, g, g_atk, beta_atk, beta, log_atk_scale, scale, x, eps,
                             rc["Delta"], dDelta, do, scale, lay)
     with stage_range("pkda.bwd.intra"):
         grads = consume(ctx, grads)
-        dg = bwd_dg(grads["dG"], lay, g.dtype)
+        dg = bwd_dg(grads["dG"], g, lay, g.dtype, rc.get("floor_flags"))
     with stage_range("pkda.bwd.atk"):
         at = bwd_atk(k, rc["a"], g_atk, beta_atk, c, grads["dp"], grads["dk"], a0, dat, x, eps,
                      lay)

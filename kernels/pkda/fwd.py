@@ -12,10 +12,13 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
     l2norm_fwd(x) -> (y [same shape, x.dtype], rstd [x.shape[:-1]] fp32)
     l2norm_bwd(y, rstd, dy) -> dx [y.shape, dy.dtype]               (stage bwd.l2norm)
     fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state=None, x=1.5,
-            eps=1e-6, output_final_state=False, store_a=False)
+            eps=1e-6, output_final_state=False, store_a=False, floor_flags=None)
         -> (p [B,T,H,K] k.dtype, G [B,T,H,K] fp32, a [B,T,H,K] fp32 | None,
             a_final [N,H,K] fp32 | None)
-        k already L2-normalised; G = chunk-local inclusive cumsum of g.
+        k already L2-normalised; G = chunk-local inclusive cumsum of g; g and g_atk as given
+        (their gate floor, GATE_FLOOR, is applied here). floor_flags: None, or an int8 [NT,H,K]
+        tensor to fill: 1 where the chunk's K tile of g (the local kernel's) holds an entry
+        below the floor or NaN, else 0.
     fwd_intra(q, k, v, p, G, beta, scale, layout, store_akk=False, kg_out=None, qg_out=None)
         -> (Aqk [B,T,H,64] k.dtype, Tinv [B,T,H,64] k.dtype, W [B,T,H,K] k.dtype,
             U [B,T,H,V] v.dtype, Akk [B,T,H,64] fp32 | None)
@@ -54,6 +57,29 @@ BC = SUB
 # precision of the fp32 dots of fwd.intra's diagonal blocks (None: ieee for fp32 inputs,
 # tf32 for bf16/fp16 inputs)
 DIAG_PREC = None
+# Gate floor: g and g_atk entries below -GATE_FLOOR are raised to -GATE_FLOOR where a kernel
+# first reads them (fwd.atk, bwd.atk), and their gradients are 0 there (bwd.dg, told where by
+# the recompute's fwd.atk, and bwd.atk): the semantics of torch.clamp(min=-GATE_FLOOR) before
+# the kernels, without its three extra passes over g (clamp, and the comparison and select of
+# its backward: ~0.1 ms a fwd+bwd call at B4_T2048_H16_D128, docs/perf/pkda.md).
+# exp(-24) = 3.8e-11 is ~1600x below fp32's half-ulp (2^-24 = 6e-8), so the decayed history it
+# keeps is invisible at fp32 precision, while the chunk-local cumulative gates stay small
+# enough not to cancel catastrophically.
+GATE_FLOOR = 24.0
+_FLOOR = tl.constexpr(-GATE_FLOOR)
+
+
+@triton.jit
+def floored(g):
+    """g with its entries below -GATE_FLOOR raised to it; NaN stays NaN, as torch.clamp's."""
+    return tl.where(g < _FLOOR, _FLOOR, g)
+
+
+@triton.jit
+def above_floor(g):
+    """Where floored(g) passes g's gradient through: g >= -GATE_FLOOR (False for NaN, as the
+    gradient torch.clamp gives)."""
+    return g >= _FLOOR
 
 
 def _configs(space):
@@ -180,8 +206,9 @@ def _chunk_of(cu, chunk_indices, i_c, BT: tl.constexpr):
 
 @triton.autotune(configs=_configs([({"BK": 32}, 4, 1), ({"BK": 64}, 4, 1)]), key=["H", "K"])
 @triton.jit
-def pkda_fwd_atk_local_kernel(k, g, g_atk, beta_atk, G, a_end, decay, cu, chunk_indices, H,
-                              K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+def pkda_fwd_atk_local_kernel(k, g, g_atk, beta_atk, G, a_end, decay, floor_flags, cu,
+                              chunk_indices, H, K: tl.constexpr, BT: tl.constexpr,
+                              BK: tl.constexpr, STORE_FLAGS: tl.constexpr):
     NK: tl.constexpr = K // BK
     pid = tl.program_id(0)
     i_k = pid % NK
@@ -195,14 +222,23 @@ def pkda_fwd_atk_local_kernel(k, g, g_atk, beta_atk, G, a_end, decay, cu, chunk_
     rows = T0 + o_t
     ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
     b_g = tl.load(g + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
+    st = i_c.to(tl.int64) * H + i_h
+    if STORE_FLAGS:
+        # The backward's dg cumsum must zero dg where g is below the floor; reading g again for
+        # that is a second pass over it (33 MB at B4_T2048_H16_D128 in bf16) for entries that
+        # are rare. This kernel has the tile anyway: one flag for it, so that the cumsum reads
+        # g only in the tiles that need it. Stored per column because the cumsum's K tiles
+        # need not be this kernel's (BK is autotuned here).
+        b_any = tl.max(tl.where(above_floor(b_g), 0, 1).to(tl.int8))
+        tl.store(floor_flags + st * K + o_k, tl.full([BK], 0, tl.int8) + b_any)
+    b_g = floored(b_g)
     tl.store(G + ptr, tl.cumsum(b_g, 0), mask=m_t[:, None])
     b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     b_Ga = tl.cumsum(b_ga, 0)
     b_last = tl.sum(b_ga, 0)
     b_w = tl.where(m_t, tl.exp(tl.where(m_t, b_last - b_Ga, 0.)) * b_ba, 0.)
-    st = i_c.to(tl.int64) * H + i_h
     tl.store(a_end + st * K + o_k, tl.sum(b_w[:, None] * b_k * b_k, 0))
     if i_k == 0:
         tl.store(decay + st, tl.exp(b_last))
@@ -265,7 +301,7 @@ def pkda_fwd_atk_kernel(k, g_atk, beta_atk, c, a_in, p, a_out, cu, chunk_indices
     rows = T0 + o_t
     ptr = (rows * H + i_h)[:, None] * K + o_k[None, :]
     b_k = tl.load(k + ptr, mask=m_t[:, None], other=0.).to(tl.float32)
-    b_ga = tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
+    b_ga = floored(tl.load(g_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32))
     b_ba = tl.load(beta_atk + rows * H + i_h, mask=m_t, other=0.).to(tl.float32)
     # a_r = exp(ga_r) a_(r-1) + ba_r k_r^2 along the chunk from a_in: a scan over the rows
     # (six combine levels on the [64, BK] tile) instead of a [64, 64] decay matrix (4,096
@@ -283,7 +319,7 @@ def pkda_fwd_atk_kernel(k, g_atk, beta_atk, c, a_in, p, a_out, cu, chunk_indices
 
 
 def fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout: ChunkLayout, initial_A_state=None,
-            x=1.5, eps=1e-6, output_final_state=False, store_a=False):
+            x=1.5, eps=1e-6, output_final_state=False, store_a=False, floor_flags=None):
     """Stage fwd.atk. k: L2-normalised [B,T,H,K]. See the module docstring for returns."""
     B, T, H, K = k.shape
     _check_dims(K)
@@ -301,7 +337,9 @@ def fwd_atk(k, g, g_atk, beta_atk, log_atk_scale, layout: ChunkLayout, initial_A
     decay = torch.empty(NT, H, dtype=torch.float32, device=k.device)
     if NT:
         pkda_fwd_atk_local_kernel[lambda meta: grid_atk_chunks(NT, H, K, meta["BK"])](
-            k, g, g_atk, beta_atk, G, a_chunk, decay, layout.cu, layout.chunk_indices, H, K=K, BT=BT)
+            k, g, g_atk, beta_atk, G, a_chunk, decay,
+            floor_flags if floor_flags is not None else decay, layout.cu, layout.chunk_indices,
+            H, K=K, BT=BT, STORE_FLAGS=floor_flags is not None)
     pkda_fwd_atk_carry_kernel[lambda meta: grid_atk(layout.N, H, K, meta["BK"])](
         a_chunk, decay, a0, a_fin, layout.cu, layout.chunk_offsets, H, K=K, BT=BT,
         HAS_A0=a0 is not None, STORE_FINAL=output_final_state)

@@ -82,9 +82,11 @@ def test_every_kernel_of_the_op_compiles_for_sm90(pkda_run):
     assert all(r["registers"] > 0 for r in records)
     assert all(r["shape"] == SHAPE and r["dtype"] == "bfloat16" for r in records)
     kernels = {r["kernel"] for r in records}
-    # forward and backward: the backward's recompute and its own kernels are found
-    assert {"pkda_fwd_l2norm_kernel", "pkda_fwd_intra_a_kernel", "pkda_fwd_solve_kernel", "pkda_fwd_o_kernel",
-            "pkda_bwd_intra_kernel", "pkda_bwd_wy_dqkg_kernel", "pkda_bwd_l2norm_kernel"} <= kernels
+    # forward and backward: the backward's recompute and its own kernels are found (at K <= 128 the
+    # forward's o comes from the state walk, pkda_fwd_h_o_kernel; fwd_h runs in the recompute)
+    assert {"pkda_fwd_l2norm_kernel", "pkda_fwd_intra_a_kernel", "pkda_fwd_solve_kernel", "pkda_fwd_h_o_kernel",
+            "pkda_fwd_h_kernel", "pkda_bwd_intra_kernel", "pkda_bwd_wy_dqkg_kernel",
+            "pkda_bwd_l2norm_kernel"} <= kernels
     h = result["header"]
     assert h["triton"] == triton.__version__ and h["arch"] == 90 and h["ptxas"]
     assert h["unique_compiles"] <= len(records)
@@ -100,6 +102,10 @@ def test_autotune_spaces_are_whole_not_the_interpreters_first_config(pkda_run):
     h = sorted((r["config"]["num_warps"], r["config"]["num_stages"], r["config"]["kwargs"]["BV"])
                for r in result["records"] if r["kernel"] == "pkda_fwd_h_kernel")
     assert h == [(4, 2, "32"), (4, 2, "64"), (8, 2, "64")]   # warps, stages and a kwarg per config
+    from kernels.pkda.fwd import HO_SPACE  # the fused walk's whole space
+    ho = sorted((r["config"]["num_warps"], r["config"]["num_stages"], r["config"]["kwargs"]["BV"])
+                for r in result["records"] if r["kernel"] == "pkda_fwd_h_o_kernel")
+    assert ho == sorted((w, s, str(meta["BV"])) for meta, w, s in HO_SPACE) and len(ho) >= 3
     atk = [r for r in result["records"] if r["kernel"] == "pkda_fwd_atk_local_kernel"]
     # a config's kwargs are constexprs; the whole space under each launch variant (STORE_FLAGS:
     # the forward's launch and the backward's recompute)

@@ -375,3 +375,162 @@ def test_stage_intra_strong_gates_exact_path():
     for t, name in zip(got, ("Aqk", "Tinv", "W", "U", "Akk")):
         assert torch.isfinite(t).all(), name
         assert rel(t, ref[name]) < 1e-5, name
+
+
+# ---------------------------------------------------------------- fwd.h with fwd.o (the forward's walk)
+def _h_o_case(varlen, with_h0):
+    """The fused walk's inputs from the Triton stages before it (fwd_atk, then fwd_intra writing
+    kg and qg as the forward does), K != V. Dense: two sequences of 100 tokens (a partial last
+    chunk). Varlen: 37, 0 and 91 tokens of T=170, so rows 128.. are in no sequence: W, U, kg and
+    qg hold NaN there (as an unwritten buffer may), Aqk zeros (the op's allocation for an
+    uncovered tail); a load past the last sequence's end (its partial second chunk) reads NaN
+    there. Mild gates (about -5 a chunk): the state carried into a chunk, and the initial state,
+    weigh on o."""
+    B, T, H, K, V = (1, 170, 2, 128, 64) if varlen else (2, 100, 2, 64, 128)
+    cu = torch.tensor([0, 37, 37, 128]) if varlen else None
+    d = make(B, T, H, K, V, seed=21, states=True, N=3 if varlen else None)
+    d["g"] = d["g"] * 0.1
+    lay = R.make_layout(B, T, cu, "cpu")
+    qn, kn = R.l2norm_ref(d["q"]), R.l2norm_ref(d["k"])
+    scale = K ** -0.5
+    p, G, _, _ = F_.fwd_atk(kn, d["g"], d["g_atk"], d["beta_atk"], d["log_atk_scale"], lay)
+    kg, qg = torch.empty_like(kn), torch.empty_like(qn)
+    Aqk, _, W, U, _ = F_.fwd_intra(qn, kn, d["v"], p, G, d["beta"], scale, lay, kg_out=kg, qg_out=qg)
+    if varlen:
+        assert not lay.covered and (Aqk[:, 128:] == 0).all()
+        for t in (W, U, kg, qg):
+            t[:, 128:] = float("nan")
+    h0 = d["initial_state"] if with_h0 else None
+    return dict(lay=lay, qn=qn, p=p, G=G, kg=kg, qg=qg, Aqk=Aqk, W=W, U=U, h0=h0, scale=scale)
+
+
+def _guarded_alloc(mp, shape):
+    """torch.empty / torch.zeros give a tensor of `shape` as the front half of a buffer whose back
+    half (the guard) holds NaN, and torch.empty's front half NaN too; returns the guards. A store
+    past the tensor's end lands in its guard; an element never written stays NaN."""
+    guards = []
+    for name in ("empty", "zeros"):
+        real = getattr(torch, name)
+
+        def alloc(*size, real=real, name=name, **kw):
+            dims = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+            if tuple(dims) != tuple(shape):
+                return real(*size, **kw)
+            n = math.prod(dims)
+            buf = real(2 * n, **kw).fill_(float("nan"))
+            if name == "zeros":
+                buf[:n] = 0
+            guards.append(buf[n:])
+            return buf[:n].view(dims)
+        mp.setattr(torch, name, alloc)
+    return guards
+
+
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense_K64_V128", "varlen_K128_V64_empty"])
+def test_stage_h_o_is_fwd_h_then_fwd_o(varlen, with_h0, monkeypatch):
+    """fwd_h_o (o inside the state walk, the forward's path at K <= 128) gives the o of fwd_h
+    then fwd_o on the same inputs, and fwd_h's final state; and both match the reference stages.
+    The o of every chunk depends on the state entering it, on Aqk Delta, and on the masked loads
+    and stores at the sequences' ends: o's buffer is followed by a NaN guard that a store past
+    its end would overwrite (the dense case's last partial chunk), and in the dense case (every
+    token in a sequence, o from torch.empty) every element must be written."""
+    c = _h_o_case(varlen, with_h0)
+    lay = c["lay"]
+    shape = c["U"].shape
+    with monkeypatch.context() as mp:
+        guards = _guarded_alloc(mp, shape)
+        o, S_fin = F_.fwd_h_o(c["W"], c["U"], c["G"], c["kg"], c["qg"], c["Aqk"], lay, c["h0"],
+                              output_final_state=True)
+    assert len(guards) == 1 and torch.isnan(guards[0]).all()  # o alone has that shape
+    h, Delta, S_ref = F_.fwd_h(c["W"], c["U"], c["p"], c["G"], lay, c["h0"], output_final_state=True,
+                               kg=c["kg"])
+    o_ref = F_.fwd_o(c["qn"], c["G"], h, c["Aqk"], Delta, c["scale"], lay)
+    assert o.shape == o_ref.shape and o.dtype == o_ref.dtype and S_fin.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(S_fin).all()
+    assert rel(o, o_ref) < 1e-6 and rel(S_fin, S_ref) < 1e-6
+    # the reference stages (fp32 PyTorch) on the same W, U, p, G, Aqk
+    rh = R.ref_fwd_h(c["W"], c["U"], c["p"], c["G"], lay, c["h0"])
+    ro = R.ref_fwd_o(c["qn"], c["G"], rh["h"], c["Aqk"], rh["Delta"], c["scale"], lay)
+    n = 128 if varlen else o.shape[1]
+    assert rel(o[:, :n], ro[:, :n]) < 1e-5 and rel(S_fin, rh["final"]) < 1e-5
+    if varlen:
+        assert (o[:, 128:] == 0).all()  # tokens in no sequence: zeros, as fwd_o leaves them
+        want = c["h0"][1] if with_h0 else torch.zeros_like(S_fin[1])
+        assert torch.equal(S_fin[1], want)  # the empty sequence keeps its initial state
+    # without a final state none is allocated
+    _, none = F_.fwd_h_o(c["W"], c["U"], c["G"], c["kg"], c["qg"], c["Aqk"], lay, c["h0"])
+    assert none is None
+
+
+def _h_o_launches(monkeypatch):
+    """Record which of fwd_h, fwd_o, fwd_h_o pkda_fwd calls (each still runs)."""
+    calls = []
+    for name in ("fwd_h", "fwd_o", "fwd_h_o"):
+        real = getattr(F_, name)
+        monkeypatch.setattr(F_, name, lambda *a, real=real, name=name, **kw: (calls.append(name), real(*a, **kw))[1])
+    return calls
+
+
+@pytest.mark.parametrize("with_h0", [False, True], ids=["no_h0", "h0"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense_K64_V128", "varlen_K128_V64_empty"])
+def test_forward_fuses_o_into_the_walk_and_matches_the_unfused_path(varlen, with_h0, monkeypatch):
+    """pkda_fwd runs fwd_h_o at K <= 128 unless it keeps its intermediates (then fwd_h stores h
+    and Delta and fwd_o reads them, as before): the two paths give the same o and final states,
+    and both the naive recurrence's."""
+    B, T, H, K, V = (1, 170, 2, 128, 64) if varlen else (2, 100, 2, 64, 128)
+    cu = torch.tensor([0, 37, 37, 128], dtype=torch.int32) if varlen else None
+    d = make(B, T, H, K, V, seed=22, states=True, N=3 if varlen else None)
+    d["g"] = d["g"] * 0.1
+    if not with_h0:
+        d.pop("initial_state")
+    args = {n: d.get(n) for n in ("q", "k", "v", "g", "g_atk", "beta_atk", "beta")}
+    kw = dict(scale=K ** -0.5, log_atk_scale=d["log_atk_scale"], initial_state=d.get("initial_state"),
+              initial_A_state=d["initial_A_state"], output_final_state=True, cu_seqlens=cu)
+    calls = _h_o_launches(monkeypatch)
+    fused = F_.pkda_fwd(**args, **kw)
+    assert calls == ["fwd_h_o"]
+    del calls[:]
+    unfused = F_.pkda_fwd(**args, **kw, save_for_backward=True, keep_intermediates=True)
+    assert calls == ["fwd_h", "fwd_o"]
+    assert unfused[3]["h"] is not None and unfused[3]["Delta"] is not None
+    for got, want in zip(fused[:3], unfused[:3]):
+        assert rel(got, want) < 1e-6
+    n = naive_recurrent_precond_kda(**d, cu_seqlens=cu, output_final_state=True,
+                                    compute_dtype=torch.float64)
+    for got, want in zip(fused[:3], n):
+        assert rel(got, want) < 1e-5
+    if varlen:
+        assert (fused[0][:, 128:] == 0).all()
+
+
+def test_forward_keeps_fwd_h_and_fwd_o_above_K_128(monkeypatch):
+    """K > 128 (256) runs fwd_h and fwd_o: fwd_h_o refuses it."""
+    d = make(1, 64, 1, 256, 64, seed=23)
+    calls = _h_o_launches(monkeypatch)
+    F_.pkda_fwd(**{n: d[n] for n in ("q", "k", "v", "g", "g_atk", "beta_atk", "beta")}, scale=0.0625,
+                log_atk_scale=d["log_atk_scale"])
+    assert calls == ["fwd_h", "fwd_o"]
+    W = torch.zeros(1, 64, 1, 256)
+    with pytest.raises(ValueError, match="K=256 > 128"):
+        F_.fwd_h_o(W, torch.zeros(1, 64, 1, 64), W, W, W, torch.zeros(1, 64, 1, 64),
+                   R.make_layout(1, 64, None, "cpu"))
+
+
+@pytest.mark.parametrize("i", range(len(F_.HO_SPACE)))
+def test_stage_h_o_in_every_config_of_its_space(i, monkeypatch):
+    """The interpreter runs only a space's first config: each of fwd_h_o's configs (its V tile)
+    is made the only one in turn, on the varlen case (an empty sequence, an uncovered tail)."""
+    import triton
+
+    meta, warps, n_stages = F_.HO_SPACE[i]
+    monkeypatch.setattr(F_.pkda_fwd_h_o_kernel, "configs",
+                        [triton.Config(dict(meta), num_warps=warps, num_stages=n_stages)])
+    c = _h_o_case(True, True)
+    lay = c["lay"]
+    o, S_fin = F_.fwd_h_o(c["W"], c["U"], c["G"], c["kg"], c["qg"], c["Aqk"], lay, c["h0"],
+                          output_final_state=True)
+    h, Delta, S_ref = F_.fwd_h(c["W"], c["U"], c["p"], c["G"], lay, c["h0"], output_final_state=True,
+                               kg=c["kg"])
+    o_ref = F_.fwd_o(c["qn"], c["G"], h, c["Aqk"], Delta, c["scale"], lay)
+    assert torch.isfinite(o).all() and rel(o, o_ref) < 1e-6 and rel(S_fin, S_ref) < 1e-6

@@ -30,6 +30,9 @@ and cached; the kernels only read it). Dense input is handled as packed sequence
           kg=None)
         -> (h [NT,H,K,V] k.dtype | None, Delta [B,T,H,V] v.dtype, S_final [N,H,K,V] fp32 | None)
     fwd_o(q, G, h, Aqk, Delta, scale, layout) -> o [B,T,H,V] v.dtype
+    fwd_h_o(W, U, G, kg, qg, Aqk, layout, initial_state=None, output_final_state=False)
+        -> (o, S_final): fwd_h and fwd_o in one state walk (K <= 128; kg, qg from fwd_wu),
+        no h, no Delta; the forward's path unless it keeps its intermediates
     pkda_fwd(...)  all of the above in order, see its docstring.
 
 Grids are 1-D: the product sequences x heads x tiles sits in grid X (limit 2^31-1),
@@ -909,6 +912,124 @@ def fwd_o(q, G, h, Aqk, Delta, scale, layout: ChunkLayout, out_dtype=None):
     return o
 
 
+# ============================================================================ fwd.h with fwd.o
+# The forward's o computed inside the state walk (forward only, K <= 128). At chunk t a program
+# of pkda_fwd_h_kernel holds S_t, the state entering the chunk, and forms Delta_t; fwd.o's
+# product for the program's V tile is o_t = (scale Q*exp(G))_t S_t + Aqk_t Delta_t, two more dots
+# on operands the walk has or can read. Done here, the forward stores neither h nor Delta and
+# launches no fwd.o.
+# Why it may pay (an expectation, not a measurement): at B4_T2048_H16_D128 on an H100, fwd.o takes
+# ~0.095 ms and is mostly bytes (it reads h, 67 MB, and G in FP32, 67 MB, besides q, Delta and
+# Aqk, and writes o), while fwd.h (~0.13 ms a launch; ncu: one 8-warp block an SM, 12.5%
+# occupancy, stalls on long scoreboard and barriers) is latency-bound with idle issue slots, so the
+# two independent dots a chunk may hide in its stalls. The risk: they lengthen the serial chunk
+# chain (S -> W S -> Delta -> S'), which sets the walk's time.
+# The scaled gated queries come from fwd.wu (qg_out, the launch the backward's recompute already
+# makes, STORE_QG): gated_q there is fwd.o's expression (scale * q * exp(G), masked rows 0) rounded
+# to q's dtype, so the tile is bitwise fwd.o's operand. Forming it here instead would read q and
+# the FP32 G tile once a V tile program (4x G's 67 MB at BV 32) and put a [64, K] exponential and
+# an FP32 [64, K] tile into the walk: tried offline (sm_90, bf16, B4_T2048_H16_D128, the space
+# below), registers and shared memory went from 138 / 133 KB to 234 / 165 KB (BV 32 w4 s2), 222 ->
+# 244 (BV 64 w4), 197 -> 215 (BV 64 w8), and BV 32 w4 s1 spilled (195 -> 255, 2 STL / 2 LDL).
+# Reading qg costs wu one more read of q and a write of qg (2 x 33.5 MB at the public row) and the
+# walk a 16-bit [64, K] tile a chunk.
+# Rounding as fwd.o's: S is cast to W's dtype (h's dtype; q, k and v share one dtype, checks.py,
+# so W, U, Delta, Aqk, kg and qg are all in it) once and that copy feeds both the W dot and the qg
+# dot, as fwd.o dots the stored h; Delta is rounded to that dtype for both the Aqk dot and the state update, as
+# fwd.o reads the stored Delta; Aqk is read in its stored dtype; o = qg h, then += Aqk Delta, in
+# FP32, stored in o's dtype. Operands are bitwise fwd.o's; only the dots' FP32 accumulation may
+# differ in its last bits (another MMA tiling and warp count than fwd.o's config).
+# Its launch space: fwd.h's first three entries and a single-stage BV 32 instead of its 3-stage
+# one. Offline sm_90 (tools/kernel_resources.py, bf16), registers and shared memory a block: the
+# qg and Aqk tiles staged for the next chunk add ~50 KB at K=128 and 2 stages (BV 32 w4: 83 ->
+# 133 KB, one block an SM, so the public row's 256 programs would take two waves on 132 SMs; 3
+# stages 194 KB); at 1 stage BV 32 takes 30 KB and 195 registers, two blocks an SM, one wave.
+# BV 64 (128 programs at the public row, one an SM) stays at 2 stages, 4 and 8 warps as fwd.h's.
+# Spill-free at B4_T2048_H16_D128 and B8_T1024_H8_D64 (2 warps spill at BV 32 and are left out).
+HO_SPACE = [({"BV": 32}, 4, 2), ({"BV": 64}, 4, 2), ({"BV": 64}, 8, 2), ({"BV": 32}, 4, 1)]
+
+
+@triton.autotune(configs=_configs(HO_SPACE), key=["H", "K", "V"])
+@triton.jit
+def pkda_fwd_h_o_kernel(w, u, G, kg, qg, Aqk, h0, o, ht, cu, chunk_offsets, H,
+                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+                        HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, PREC: tl.constexpr):
+    # one program per (sequence, head, V block), looping over the sequence's chunks:
+    # Delta = U - W S;  o = QG S + Aqk Delta;  S <- diag(exp(G_last)) S + KG^T Delta
+    NV: tl.constexpr = V // BV
+    DT: tl.constexpr = w.dtype.element_ty
+    pid = tl.program_id(0)
+    i_v = pid % NV
+    i_nh = pid // NV
+    i_h = i_nh % H
+    i_n = i_nh // H
+    bos = tl.load(cu + i_n).to(tl.int64)
+    eos = tl.load(cu + i_n + 1).to(tl.int64)
+    L = eos - bos
+    o_k = tl.arange(0, K)
+    o_v = i_v * BV + tl.arange(0, BV)
+    o_t = tl.arange(0, BT)
+    kv = o_k[:, None] * V + o_v[None, :]
+    st = (i_n.to(tl.int64) * H + i_h) * K * V
+    if HAS_H0:
+        b_S = tl.load(h0 + st + kv).to(tl.float32)
+    else:
+        b_S = tl.zeros([K, BV], dtype=tl.float32)
+    for i_t in range(0, tl.cdiv(L, BT)):
+        pos = i_t * BT + o_t
+        m_t = pos < L
+        rows = bos + pos
+        rk = (rows * H + i_h)[:, None] * K + o_k[None, :]
+        rv = (rows * H + i_h)[:, None] * V + o_v[None, :]
+        b_Sd = b_S.to(DT)   # what fwd.h would store as h: one copy for both dots with S_t
+        b_w = tl.load(w + rk, mask=m_t[:, None], other=0.)
+        b_u = tl.load(u + rv, mask=m_t[:, None], other=0.).to(tl.float32)
+        b_d = (b_u - tl.dot(b_w, b_Sd, input_precision=PREC)).to(DT)
+        last = bos + i_t * BT + tl.minimum(L - i_t * BT, BT) - 1
+        b_gl = tl.load(G + (last * H + i_h) * K + o_k)
+        b_kg = tl.load(kg + rk, mask=m_t[:, None], other=0.)
+        # the state update first: it is the chain the next chunk waits on; o is off that chain
+        b_S = b_S * tl.exp(b_gl)[:, None] + tl.dot(tl.trans(b_kg), b_d, input_precision=PREC)
+        b_qg = tl.load(qg + rk, mask=m_t[:, None], other=0.)
+        b_o = tl.dot(b_qg, b_Sd, input_precision=PREC)
+        b_A = tl.load(Aqk + (rows * H + i_h)[:, None] * BT + o_t[None, :], mask=m_t[:, None],
+                      other=0.)
+        b_o += tl.dot(b_A.to(DT), b_d, input_precision=PREC)
+        tl.store(o + rv, b_o.to(o.dtype.element_ty), mask=m_t[:, None])
+    if STORE_FINAL:
+        tl.store(ht + st + kv, b_S)
+
+
+def fwd_h_o(W, U, G, kg, qg, Aqk, layout: ChunkLayout, initial_state=None,
+            output_final_state=False, out_dtype=None):
+    """Stages fwd.h and fwd.o in one walk (the forward at K <= 128, when neither h nor Delta is
+    kept). kg, qg: fwd_wu's kg_out and qg_out (the gated keys and the scaled gated queries), Aqk
+    from fwd_intra, all in W's dtype. Returns (o [B,T,H,V] in out_dtype (U's), S_final
+    [N,H,K,V] fp32 or None): the o of fwd_o on fwd_h's h and Delta, the S_final of fwd_h."""
+    B, T, H, K = W.shape
+    V = U.shape[-1]
+    _check_dims(K, V)
+    if K > 128:
+        raise ValueError(f"fwd_h_o: K={K} > 128 runs fwd_h's K-block kernel and fwd_o")
+    W, U, G, Aqk = (t.contiguous() for t in (W, U, G, Aqk))
+    for name, t, shape in (("kg", kg, W.shape), ("qg", qg, W.shape), ("Aqk", Aqk, (B, T, H, BT)),
+                           ("U", U, (B, T, H, V))):
+        if tuple(t.shape) != tuple(shape) or t.dtype != W.dtype or not t.is_contiguous():
+            raise ValueError(f"fwd_h_o: {name} must be a contiguous {tuple(shape)} {W.dtype} "
+                             f"tensor, got {tuple(t.shape)} {t.dtype}")
+    out_dtype = out_dtype or U.dtype
+    # tokens outside every sequence (cu_seqlens[-1] < T) are never written: zero them
+    o = (torch.empty if layout.covered else torch.zeros)(B, T, H, V, dtype=out_dtype, device=W.device)
+    ht = torch.empty(layout.N, H, K, V, dtype=torch.float32, device=W.device) if output_final_state else None
+    h0 = initial_state.contiguous() if initial_state is not None else None
+    if layout.N:
+        pkda_fwd_h_o_kernel[lambda meta: grid_h(layout.N, H, V, meta["BV"])](
+            W, U, G, kg, qg, Aqk, h0, o, ht, layout.cu, layout.chunk_offsets, H,
+            K=K, V=V, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=output_final_state,
+            PREC=_dot_prec(W.dtype))
+    return o, ht
+
+
 # ============================================================================ all stages
 
 
@@ -932,7 +1053,9 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
     (everything else is recomputed by the backward from the inputs: bwd.recompute).
     With keep_intermediates (and save_for_backward) saved also holds every tensor of
     bwd.RECOMPUTE_KEYS (a, p, G, Aqk, Tinv, W, U, h, Delta) so that the backward can skip
-    bwd.recompute (the public op's disable_recompute=True); the kernels run are the same.
+    bwd.recompute (the public op's disable_recompute=True); then fwd_h stores h and Delta and
+    fwd_o reads them. Otherwise, at K <= 128, o comes from the state walk itself (fwd_h_o: no h,
+    no Delta, no fwd_o launch; fwd_wu also writes qg for it); K > 128 always runs fwd_h + fwd_o.
     """
     B, T, H, K = q.shape
     if layout is None:
@@ -944,14 +1067,25 @@ def pkda_fwd(q, k, v, g, g_atk, beta_atk, beta, scale, log_atk_scale, initial_st
         p, G, a, a_fin = fwd_atk(k_n, g, g_atk, beta_atk, log_atk_scale, layout, initial_A_state,
                                  x, eps, output_final_state=output_final_state,
                                  store_a=keep_intermediates)
+    # K <= 128: o inside the state walk (fwd_h_o), unless h and Delta are to be kept
+    fuse_o = K <= 128 and not keep_intermediates
     with stage_range("pkda.fwd.intra"):
         kg = torch.empty_like(k_n)  # fwd.h's gated keys, written beside W
-        Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout, kg_out=kg)
-    with stage_range("pkda.fwd.h"):
-        h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state, kg=kg)
-    del kg
-    with stage_range("pkda.fwd.o"):
-        o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
+        qg = torch.empty_like(q_n) if fuse_o else None  # and the fused walk's gated queries
+        Aqk, Tinv, W, U, _ = fwd_intra(q_n, k_n, v, p, G, beta, scale, layout, kg_out=kg,
+                                       qg_out=qg)
+    if fuse_o:
+        h = Delta = None
+        with stage_range("pkda.fwd.h"):  # fwd.h and fwd.o in one kernel
+            o, S_fin = fwd_h_o(W, U, G, kg, qg, Aqk, layout, initial_state, output_final_state,
+                               out_dtype=v.dtype)
+        del kg, qg
+    else:
+        with stage_range("pkda.fwd.h"):
+            h, Delta, S_fin = fwd_h(W, U, p, G, layout, initial_state, output_final_state, kg=kg)
+        del kg
+        with stage_range("pkda.fwd.o"):
+            o = fwd_o(q_n, G, h, Aqk, Delta, scale, layout, out_dtype=v.dtype)
     saved = None
     if save_for_backward:
         saved = dict(q_n=q_n, k_n=k_n, q_rstd=q_rstd, k_rstd=k_rstd, layout=layout, Aqk=Aqk,

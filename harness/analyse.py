@@ -16,6 +16,7 @@ from pathlib import Path
 from harness import gates as G
 from harness import stats
 from harness.profile import pregate_terminal
+from harness.verify import candidate_terminal
 from harness.errors import BadInput
 from harness.measure.detail import autotune
 from harness.records import Block, Damage, Measurement, declared_side, load_measurement, read_jsonl
@@ -383,7 +384,7 @@ def _training_blocks(record: dict | None) -> dict:
 def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state: dict, run: dict,
                      given: str | None) -> str | None:
     """Why this run is a NO-GO whatever its gates say: given by the caller, a red baseline in the
-    freeze record, a failed Amdahl pre-gate in the profile record, a terminal state for this
+    freeze record, a candidate that failed verification, a failed Amdahl pre-gate in the profile record, a terminal state for this
     baseline SHA, or a verdict capped by the attempt limit
     when the run was logged (so a re-render agrees with the original)."""
     if given:
@@ -392,6 +393,9 @@ def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state
     base_sha = ((run.get("revisions") or {}).get("baseline") or {}).get("sha")
     if freeze.get("terminal") and freeze.get("baseline_sha") in (None, base_sha):
         return f"red baseline: {freeze.get('reason') or 'the baseline failed its own oracle'}"
+    unverified = candidate_terminal(phases.get("verify"))
+    if unverified:  # the run stopped there, or measured anyway with its NO-GO standing
+        return unverified
     pregate = pregate_terminal(phases.get("profile"), bool(run.get("cpu_mode")))
     if pregate:  # the run stopped there, or measured anyway with its NO-GO standing
         return pregate

@@ -2,7 +2,8 @@
 
 Phases, each writing its own record under <results>/profile/<name>/runs/<run-id>/ and skipped
 when that record exists (so `--resume` re-runs only what is missing):
-    resolve -> freeze + verify (when `fixtures:`) -> the repository's own tests (pytest gates)
+    resolve -> freeze + verify (when `fixtures:`; a candidate that fails it ends the run, NO-GO) -> the
+    repository's own tests (pytest gates)
     -> profile (when an amdahl gate) -> bench -> ncu (GPU, when `ncu:`) -> analyse + report
     -> attempt log
 The report goes to <results>/reports/<name>/<run-id>/; putting it into this repository's tracked
@@ -31,6 +32,7 @@ from harness.records import read_jsonl
 from harness.results import HARNESS_ROOT, results_root
 from harness.runlock import run_lock
 from harness.spec import SAFE_NAME, LoadedExperiment
+from harness.verify import CANDIDATE_FAILED
 
 
 class RunError(BadInput):
@@ -254,19 +256,23 @@ def _run_locked(loaded: LoadedExperiment, opts: RunOptions, log: Progress, run_i
     _write_json(manifest_path, manifest)
 
     terminal = None if opts.bench_only else _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log)
+    # a candidate that failed verification, or a failed Amdahl pre-gate, may still be measured
+    # anyway; a red or terminal baseline never is (there is nothing to compare against)
+    may_measure_anyway = terminal is not None and terminal.startswith(CANDIDATE_FAILED)
     if terminal is None and not opts.bench_only:
         _pytest_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
-    measure = terminal is None
-    if terminal is None and not opts.bench_only:
         terminal = _profile_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
-        measure = terminal is None
-        if terminal is not None and (opts.measure_anyway or manifest.get("measure_anyway")):
-            # the pre-gate's NO-GO stands; the blocks only put the candidate's real cost on record
-            manifest.setdefault("measure_anyway", {"reason": opts.measure_anyway, "pregate": terminal, "at": _now()})
-            _write_json(manifest_path, manifest)
-            log(f"measuring anyway ({manifest['measure_anyway']['reason']}); the verdict stays NO-GO: {terminal}")
-            measure = True
+        may_measure_anyway = terminal is not None
         _agreement_phase(loaded, revisions, run_dir, opts, cpu_mode, log)
+    measure = terminal is None
+    if may_measure_anyway and (opts.measure_anyway or manifest.get("measure_anyway")):
+        # the NO-GO stands; the blocks only put the candidate's real cost on record
+        manifest.setdefault("measure_anyway", {"reason": opts.measure_anyway, "terminal": terminal, "at": _now()})
+        _write_json(manifest_path, manifest)
+        log(f"measuring anyway ({manifest['measure_anyway']['reason']}); the verdict stays NO-GO: {terminal}")
+        measure = True
+    elif terminal is not None:
+        log(f"not measured: {terminal}")
     if measure:
         log.phase("bench")
         if settings.measure.engine == "lockstep":
@@ -300,7 +306,8 @@ def _oracle_phases(loaded, revisions, run_dir, opts, cpu_mode, log) -> str | Non
         if record.terminal:
             return f"red baseline: {record.reason}"
         verify.verify_run(loaded, revisions, record, run_dir, cpu_mode=cpu_mode, log=log)
-    return None
+    # read back from the record, so a resumed run stops where the first one did
+    return verify.candidate_terminal(json.loads((run_dir / "verify.json").read_text()))
 
 
 def _pytest_phase(loaded, revisions, run_dir, opts, cpu_mode, log) -> None:

@@ -279,6 +279,22 @@ def combine(records: list[VerifyRecord]) -> dict:
     return gates
 
 
+CANDIDATE_FAILED = "candidate failed verification"
+
+
+def candidate_terminal(record: dict | None) -> str | None:
+    """The terminal reason a candidate that failed verification (correctness or frozen paths)
+    gives a run: no timing can make a wrong candidate ship, so the run stops before profile and
+    bench (device time is the scarce thing) unless it is measured anyway. One wording for the run
+    that stops on it and for any later re-render of that run. None when the candidate passed, was
+    not verified, or the record is absent."""
+    side = ((record or {}).get("sides") or {}).get("candidate") or {}
+    failed = [(kind, g) for kind, g in sorted((side.get("gates") or {}).items()) if (g or {}).get("status") == "FAIL"]
+    if not failed:
+        return None
+    return f"{CANDIDATE_FAILED}: " + " | ".join(f"{kind}: {g.get('reason')}" for kind, g in failed)
+
+
 def verify_json(records: list[VerifyRecord], freeze_record) -> dict:
     frec = _freeze_dict(freeze_record)
     return {"kind": "verify", "experiment": frec.experiment, "bench_base_sha": frec.bench_base_sha,

@@ -200,7 +200,7 @@ def test_failed_pregate_stops_measuring_unless_measure_anyway(temp_repo, monkeyp
         assert calls == {} and "measure_anyway" not in manifest
     else:
         assert calls == {"blocks": True, "ncu": True}
-        assert manifest["measure_anyway"]["reason"] == flag and "1.003x" in manifest["measure_anyway"]["pregate"]
+        assert manifest["measure_anyway"]["reason"] == flag and "1.003x" in manifest["measure_anyway"]["terminal"]
 
 
 def test_env_only_candidate_runs_with_its_env_and_the_report_shows_it(temp_repo):

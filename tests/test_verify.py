@@ -87,3 +87,35 @@ def test_unwritten_element_fails_through_nan_poisoning(tmp_path_factory):
     # per-tensor numbers the report shows
     ok = [t for c in base["cases"] for t in c["tensors"]]
     assert ok and all(t["max_rel_err"] is not None and t["rtol"] == 1e-5 and t["atol"] == 1e-6 for t in ok)
+
+
+def test_a_candidate_that_fails_verification_ends_the_run_before_any_timing(tmp_path_factory, monkeypatch):
+    """The unwritten-element candidate fails correctness: the run stops after verify (no profile,
+    no blocks, no ncu), the verdict is NO-GO with that reason, and a resume stops there again;
+    --measure-anyway runs the blocks with the NO-GO standing."""
+    from harness import run as R
+
+    r, loaded, revisions, rec = frozen(tmp_path_factory)
+    r.branch("unwritten-run", "bench-base/toy-cpu", {"op.py": OP_UNWRITTEN})
+    cand = r.experiment(candidate="unwritten-run", name="unwritten-run.yaml")
+    calls: list[str] = []
+    monkeypatch.setattr(R, "_profile_phase", lambda *a, **k: calls.append("profile"))
+    monkeypatch.setattr("harness.measure.driver.run_measurement", lambda *a, **k: calls.append("blocks"))
+    monkeypatch.setattr(R, "run_blocks", lambda *a, **k: calls.append("blocks"))
+    monkeypatch.setattr(R, "_ncu_phase", lambda *a, **k: calls.append("ncu"))
+    logged: list[str] = []
+    opts = R.RunOptions(profile_root=r.profile, reports_root=r.tmp / "reports", force_cpu=True, run_id="stop")
+    verdict, out_dir, data = R.run_experiment(cand, opts, log=logged.append)
+    assert verdict == "NO-GO" and calls == []
+    assert data["terminal"].startswith("candidate failed verification: correctness:"), data["terminal"]
+    assert any(m.startswith("not measured: candidate failed verification") for m in logged), logged
+    # a resume reads verify.json back and stops at the same place
+    verdict, _, data = R.run_experiment(cand, R.RunOptions(**{**opts.__dict__, "resume": True}), log=quiet)
+    assert verdict == "NO-GO" and calls == [] and data["terminal"].startswith("candidate failed verification")
+    # measured anyway: the blocks run, the reason is logged in run.json, the verdict stays NO-GO
+    opts = R.RunOptions(**{**opts.__dict__, "run_id": "anyway", "measure_anyway": "cost on record"})
+    verdict, out_dir, data = R.run_experiment(cand, opts, log=quiet)
+    run_json = json.loads((r.profile / "toy" / "runs" / "anyway" / "run.json").read_text())
+    assert verdict == "NO-GO" and "blocks" in calls and "profile" not in calls
+    assert run_json["measure_anyway"]["reason"] == "cost on record"
+    assert run_json["measure_anyway"]["terminal"].startswith("candidate failed verification")

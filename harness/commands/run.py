@@ -28,8 +28,9 @@ def add_parser(sub) -> None:
     p.add_argument("--note", default="", help="what this attempt changed (logged with the attempt)")
     p.add_argument("--reopen", metavar="REASON", help="allow a GO after the attempt budget is spent (logged)")
     p.add_argument("--measure-anyway", metavar="REASON",
-                   help="after a failed Amdahl pre-gate, still run the blocks, ncu and training rows (logged in "
-                        "run.json with REASON; the verdict stays NO-GO): for a candidate that already exists")
+                   help="after a failed Amdahl pre-gate, or a candidate that failed verification (correctness, "
+                        "frozen paths), still run the blocks, ncu and training rows (logged in run.json with "
+                        "REASON; the verdict stays NO-GO): to put an existing candidate's cost on record")
     p.add_argument("--aa", action="store_true", help="A/A run: baseline against itself, to measure the noise floor")
     p.add_argument("--quiet", action="store_true",
                    help="plain progress lines, no live display (the default when stdout is not a terminal; "

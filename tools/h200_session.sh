@@ -23,9 +23,10 @@
 #   and logs, the run's ncu reports if small) instead of resumable state; a run that reached its
 #   verdict always comes back that way.
 # What comes back in $OUT: run.log, report.json + index.html when the run finished, and
-# state.tgz.aa, .ab, ... (the results root: records, verify/profile/ncu JSON, Triton caches or
-# their autotune results, the bench-base/* branches freeze made in each repository; no worktrees,
-# no ncu reports) to put in .carry/ for `--resume` in the next call.
+# state.tgz.aa, .ab, ... (this experiment's records: its run, freeze/verify/profile JSON, the
+# Triton caches or their autotune results, the bench-base branch freeze made for it in each
+# repository; no worktrees, ncu reports or fixture tensors; packed by tools/h200_pack.sh inside
+# the device's limits) to put in .carry/ for `--resume` in the next call.
 set -u
 EXP=${1:?experiment name or file}
 BUDGET=${2:-480}        # seconds for `harness warm` + `harness run`; the rest of the call packs results
@@ -106,16 +107,18 @@ else
   timeout 60 python3 -m harness report "$EXP_FILE" --run "$RUN_ID" >/dev/null 2>&1 && \
     cp "$REPORT/report.json" "$REPORT/index.html" "$OUT/"
 fi
-# the bench-base/* branches freeze made in each repository travel with the results root: only
-# their own commits (the fixtures), on top of what the carried bundles hold already
+# the bench-base branch freeze made for this experiment, in each repository, travels with the
+# results root: only its own commits (the fixtures), on top of what the carried bundles hold already
 mkdir -p results/bench-base
 for r in . targets/*; do
   [ -d "$r/.git" ] || continue
-  keep=$(git -C "$r" for-each-ref --format='%(refname)' refs/heads/bench-base/)
+  keep=$(git -C "$r" for-each-ref --format='%(refname)' "refs/heads/bench-base/$NAME")
   have=$(git -C "$r" for-each-ref --format='^%(refname)' refs/heads/ refs/remotes/ | grep -v '^^refs/heads/bench-base/')
-  [ -n "$keep" ] && git -C "$r" bundle create -q "$PWD/results/bench-base/$([ "$r" = . ] && echo repo || basename "$r").bundle" \
-    $keep $have
+  b="$PWD/results/bench-base/$([ "$r" = . ] && echo repo || basename "$r").bundle"
+  rm -f "$b"   # an earlier experiment's on a reused machine
+  [ -n "$keep" ] && git -C "$r" bundle create -q "$b" $keep $have
 done
+. "$HERE/tools/h200_pack.sh"
 # a run that reached its verdict (exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE) has nothing to resume: its
 # records come back as on a last call (on 2026-12-07 packing 2 GB of resumable state for a finished
 # run took a call past its limit)
@@ -125,39 +128,21 @@ case "$rc" in
          fi ;;
 esac
 if [ "${FINAL:-0}" = 1 ]; then
-  # the records to keep (never into git: they go to the results root here): run dir, freeze/verify/profile
-  # JSON, attempts, the run's ncu reports when they fit in one 15 MB archive
-  tar czf /tmp/records.tgz --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' results
-  ls -la /tmp/records.tgz
-  if [ "$(stat -c %s /tmp/records.tgz)" -le 15000000 ]; then cp /tmp/records.tgz "$OUT/"; else
-    tar czf "$OUT/records.tgz" --exclude=worktrees --exclude=triton-cache --exclude='*.safetensors' \
-      --exclude='*.ncu-rep' results; fi
-  find results -path "*/$NAME/*" -name '*.ncu-rep' -exec ls -la {} \;   # this experiment's only: a machine reused by tools/h200_sessions.sh holds the earlier ones' too
+  # the records to keep (never into git: they go to the results root here): the run dir,
+  # freeze/verify/profile JSON, attempts, the report; the run's ncu reports when they fit
+  pack_records "$NAME" "$OUT"
+  find results -path "*/$NAME/*" -name '*.ncu-rep' -exec ls -la {} \;
   ls -la "$OUT" "$OUT"/ncu-fixtures 2>/dev/null
   exit 0
 fi
-# records for the next call: <= 15 MB a piece; at most 8 files come back in all. The
-# Triton caches go whole when they fit, else only their autotune results (*.autotune.json: the next
-# machine then compiles the chosen configs but benchmarks none).
-# Only when the uncompressed records could fit is the whole tree compressed at all: on 2026-12-03
-# a 1.2 GB profile/ (two experiments' Triton caches) took the call past its limit in that tar.
-MAXP=$(( 8 - $(find "$OUT" -type f | wc -l) ))   # the 8-file limit counts the report, logs and fixtures too
-SCRATCH=(--exclude=worktrees --exclude='*.ncu-rep' --exclude='agreement-work/*.safetensors')   # none needed to resume
-RAW=$(du -sb "${SCRATCH[@]}" results | cut -f1)
-n=999
-if [ "$RAW" -le $(( MAXP * 45000000 )) ]; then   # Triton caches compress ~6.5x (126 MB -> 19 MB)
-  if timeout 120 tar czf /tmp/state-full.tgz "${SCRATCH[@]}" results; then
-    split -b 15m /tmp/state-full.tgz /tmp/state-full. && rm -f /tmp/state-full.tgz
-    n=$(ls /tmp/state-full.* | wc -l)
-  fi
-fi
-echo "state: $RAW bytes uncompressed, $n pieces with the Triton caches; room for $MAXP"
-if [ "$n" -le "$MAXP" ]; then
-  for f in /tmp/state-full.*; do mv "$f" "$OUT/state.tgz.${f##*.}"; done
+# records for the next call, inside what this call may still send back: 8 files and 64 MiB in
+# all, less what $OUT holds already (the report, logs, ncu fixtures); or, when set, ROOM_FILES
+# and ROOM_BYTES for the state pieces alone (tools/h200_sessions.sh, which copies only run.log
+# and the pieces and keeps room for its later experiments)
+if [ -n "${ROOM_FILES:-}" ]; then
+  pack_state "$NAME" "$OUT" "$ROOM_FILES" "${ROOM_BYTES:?ROOM_BYTES comes with ROOM_FILES}"
 else
-  echo "state is $n pieces with the Triton caches: sending their autotune results only"
-  find results -path '*/triton-cache/*' -type f ! -name '*.autotune.json' > /tmp/drop.txt
-  tar czf - "${SCRATCH[@]}" --exclude-from=/tmp/drop.txt results | split -b 15m - "$OUT/state.tgz."
+  pack_state "$NAME" "$OUT" $(( 8 - $(find "$OUT" -type f | wc -l) )) $(( 67108864 - $(du -sb "$OUT" | cut -f1) ))
 fi
 du -sh results/profile/triton-cache 2>/dev/null
 ls -la "$OUT"

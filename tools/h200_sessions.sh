@@ -31,10 +31,16 @@ for i in "${!names[@]}"; do
   scratch=/tmp/out-$i
   rm -rf "$scratch" && mkdir -p "$scratch"
   echo "=== $exp (budget ${budgets[$i]} s) ==="
+  # the state pieces' room: what the device still returns, less this run's log (1 file, ~1 MiB)
+  # and 2 files / 16 MiB for each later experiment (its log and records); on 2026-12-08 a state
+  # took all the room and the next experiment's finished records stayed behind
+  room_files=$(( 8 - $(find "$FINAL_OUT" -type f | wc -l) - 1 - 2 * ${#later[@]} ))
+  room_bytes=$(( 67108864 - $(du -sb "$FINAL_OUT" | cut -f1) - 1048576 - 16777216 * ${#later[@]} ))
   if [ "$i" = 0 ]; then
-    OUT=$scratch ALSO_WARM="${later[*]:-}" bash tools/h200_session.sh "$exp" "${budgets[$i]}"
+    OUT=$scratch ROOM_FILES=$room_files ROOM_BYTES=$room_bytes ALSO_WARM="${later[*]:-}" \
+      bash tools/h200_session.sh "$exp" "${budgets[$i]}"
   else
-    OUT=$scratch bash tools/h200_session.sh "$exp" "${budgets[$i]}"
+    OUT=$scratch ROOM_FILES=$room_files ROOM_BYTES=$room_bytes bash tools/h200_session.sh "$exp" "${budgets[$i]}"
   fi
   dest="$FINAL_OUT/$i-$(basename "$exp" .yaml)"
   mkdir -p "$dest"

@@ -384,9 +384,9 @@ def _training_blocks(record: dict | None) -> dict:
 def _terminal_reason(phases: dict[str, dict | None], attempts: list[dict], state: dict, run: dict,
                      given: str | None) -> str | None:
     """Why this run is a NO-GO whatever its gates say: given by the caller, a red baseline in the
-    freeze record, a candidate that failed verification, a failed Amdahl pre-gate in the profile record, a terminal state for this
-    baseline SHA, or a verdict capped by the attempt limit
-    when the run was logged (so a re-render agrees with the original)."""
+    freeze record, a candidate that failed verification (the verify record), a failed Amdahl
+    pre-gate in the profile record, a terminal state for this baseline SHA, or a verdict capped by
+    the attempt limit when the run was logged (so a re-render agrees with the original)."""
     if given:
         return given
     freeze = phases.get("freeze") or {}

@@ -270,7 +270,12 @@ def _meta_configs(space):
 # The space, offline sm_90 compile at K=V=256: all four spill-free (167-253 registers; BV 64 at
 # 4 warps spills and is left out); 1 stage as the kernel above, since 2 stages would ask for
 # 289-338 KB of shared memory a block, more than an SM has.
-DHU_KBLOCKS_SPACE = [({"BV": 16}, 4, 1), ({"BV": 32}, 4, 1), ({"BV": 32}, 8, 1), ({"BV": 64}, 8, 1)]
+# BV 32 at 8 warps is left out: on an H100 (Triton 3.6, 2026-12-08) it raised "an illegal memory
+# access" in bf16 at K=V=256 (B1 T130 H2; each config forced alone under CUDA_LAUNCH_BLOCKING=1:
+# the other three ran, and all four ran in FP32), so autotuning it killed the process. The same
+# masks and offsets serve every config, which points at the compiled bf16 dot layout of that
+# config rather than at an index; not pinned down further.
+DHU_KBLOCKS_SPACE = [({"BV": 16}, 4, 1), ({"BV": 32}, 4, 1), ({"BV": 64}, 8, 1)]
 DHU_KBLOCK = 64   # rows of one K block of dE
 
 
